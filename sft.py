@@ -1,0 +1,430 @@
+"""Supervised fine-tuning (SFT) in one file: next-token cross-entropy on the completion tokens of prompt/completion pairs.
+Paper: the SFT stage of InstructGPT (arXiv:2203.02155). What differs from a plain LM loss: (1) the loss covers only
+completion tokens, EOS included (masks come from lengths, so EOS is learnt even when pad == eos); (2) it is divided by
+the number of completion tokens in the whole global batch, so the update does not depend on how the batch is split
+over processes and accumulation steps.
+Run:  python examples/toy_task.py --out toy
+      torchrun --nproc_per_node 2 sft.py --model_name_or_path toy/model --dataset_name toy/sft --output_dir runs/sft \
+          --learning_rate 1e-3 --num_train_epochs 5 --warmup_ratio 0.05
+      torchrun --nproc_per_node 8 sft.py --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name trl-lib/Capybara --track
+"""
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import datasets
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import tyro
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+from adam_tf import AdamTF
+
+
+@dataclass
+class Args:
+    # common arguments: the same names and meaning in every script
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (wandb run names start with it)"""
+    seed: int = 1
+    """seed of the experiment (data order, initialisation, sampling)"""
+    track: bool = False
+    """log to Weights and Biases (`WANDB_MODE=offline` works)"""
+    wandb_project_name: str = "rlhf-scripts"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team)"""
+    output_dir: str = "runs/sft"
+    """where the final Hugging Face model folder, checkpoints and metrics.jsonl are written"""
+    model_name_or_path: str = "toy/model"
+    """a hub id or a local Hugging Face model folder (default: the toy model of examples/toy_task.py --out toy)"""
+    dataset_name: str = "toy/sft"
+    """a hub id, a local .json/.jsonl/.parquet/.csv file (the train split) or a local folder of such files"""
+    dataset_train_split: str = "train"
+    """the split to train on"""
+    dataset_test_split: str = "test"
+    """the split to evaluate on (skipped, with a message, if the dataset has none)"""
+    max_steps: int = -1
+    """number of optimizer steps; -1: run `num_train_epochs` epochs"""
+    num_train_epochs: int = 3
+    """passes over the training split (used when max_steps is -1)"""
+    learning_rate: float = 2e-5
+    """peak learning rate"""
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    """learning rate schedule after warmup (transformers.get_scheduler), stepped once per optimizer step"""
+    warmup_ratio: float = 0.0
+    """fraction of the optimizer steps spent warming up linearly from 0"""
+    per_device_train_batch_size: int = 8
+    """micro-batch size: samples per process per forward/backward (HF name; `local_micro_batch_size`)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step on each process"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this value (0: no clipping, the norm is still logged)"""
+    optimizer: Literal["adamw", "adam_tf"] = "adamw"
+    """adamw: torch.optim.AdamW; adam_tf: TensorFlow-style Adam (epsilon hat), see adam_tf.py"""
+    adam_epsilon: float = 1e-8
+    """Adam's epsilon (lm-human-preferences used 1e-5 with adam_tf)"""
+    weight_decay: float = 0.0
+    """decoupled weight decay (adamw only)"""
+    bf16: bool = True
+    """bf16 mixed precision (parameters kept in fp32) on GPU; CPU runs always compute in fp32"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    cpu_offload: bool = False
+    """keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy)"""
+    log_every: int = 10
+    """print and log metrics every this many optimizer steps"""
+    eval_every: int = -1
+    """evaluate every this many optimizer steps (-1: only at the end)"""
+    save_every: int = -1
+    """write a resumable checkpoint every this many optimizer steps (-1: never)"""
+    resume_from: Optional[str] = None
+    """a checkpoint folder (output_dir/checkpoints/step_N) to continue the same run from"""
+    max_prompt_length: int = 512
+    """prompts longer than this (in tokens) are dropped, and counted in a message at start"""
+    max_completion_length: int = 1024
+    """completions longer than this (in tokens, EOS included) are dropped, and counted in a message at start"""
+
+    # batch sizes (computed)
+    world_size: Optional[int] = None
+    """number of processes (computed)"""
+    local_batch_size: Optional[int] = None
+    """samples per process per optimizer step = per_device_train_batch_size x gradient_accumulation_steps (computed)"""
+    batch_size: Optional[int] = None
+    """global batch: samples per optimizer step = local_batch_size x world_size (computed)"""
+    num_training_steps: Optional[int] = None
+    """total optimizer steps, fixed before training; the LR schedule ends exactly there (computed)"""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared helpers: pasted verbatim in every script that needs them (tests/test_consistency.py keeps them identical)
+# ---------------------------------------------------------------------------------------------------------------
+def init_distributed():
+    """torchrun sets RANK and WORLD_SIZE; plain `python script.py` is world size 1 on the same code path."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def load_split(name, split):
+    """A split of a hub dataset, a local dataset folder, or a local file (a single file is the train split).
+    Returns None when there is no such split."""
+    if os.path.isfile(name):
+        builder = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}[name.rsplit(".", 1)[-1]]
+        return datasets.load_dataset(builder, data_files=name, split="train") if split == "train" else None
+    if os.path.isfile(os.path.join(name, "dataset_dict.json")):  # a DatasetDict written by save_to_disk
+        dataset_dict = datasets.load_from_disk(name)
+        return dataset_dict[split] if split in dataset_dict else None
+    try:
+        return datasets.load_dataset(name, split=split)
+    except ValueError as e:
+        if "Unknown split" in str(e):
+            return None
+        raise
+
+
+def tokenize_prompt_completion(tokenizer, prompt, completion):
+    """Token ids of a prompt and of its completion, EOS appended to the completion unless already there.
+    Standard format: two strings. Conversational format: two lists of {"role", "content"} messages, rendered with
+    the tokenizer's chat template (the completion is what the template adds after the generation prompt)."""
+    if isinstance(prompt, str):
+        prompt_ids = tokenizer(prompt)["input_ids"]  # special tokens (BOS) as the tokenizer adds them
+    else:
+        prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        full_text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+        if not full_text.startswith(prompt_text):
+            raise ValueError("the chat template renders the conversation without its prompt as a prefix")
+        completion = full_text[len(prompt_text) :]
+        prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]  # the template has them
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    if not completion_ids or completion_ids[-1] != tokenizer.eos_token_id:
+        completion_ids = completion_ids + [tokenizer.eos_token_id]
+    return prompt_ids, completion_ids
+
+
+def pad(sequences, value, side):
+    """Pad lists of ints to one width, on the left or the right; returns a LongTensor."""
+    width = max(len(s) for s in sequences)
+    fill = [[value] * (width - len(s)) for s in sequences]
+    return torch.tensor([f + s if side == "left" else s + f for s, f in zip(sequences, fill)], dtype=torch.long)
+
+
+def make_batch(prompts, completions, pad_token_id):
+    """[left-padded prompts | right-padded completions]. Masks come from lengths, never from pad_token_id, so the
+    completion's EOS stays in the loss when pad == eos. Returns input_ids, attention_mask, completion_mask."""
+    ones = [[1] * len(s) for s in prompts], [[1] * len(s) for s in completions]
+    input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
+    completion_mask = pad(ones[1], 0, "right")
+    return input_ids, torch.cat([pad(ones[0], 0, "left"), completion_mask], 1), completion_mask
+
+
+def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0):
+    """Log-probabilities of the last `completion_width` tokens, from logits / temperature."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                   logits_to_keep=completion_width + 1).logits[:, :-1]  # logits at t predict token t + 1
+    logits = logits.float() / temperature
+    labels = input_ids[:, -completion_width:]
+    # log_softmax at the label without materialising it over the vocabulary: logit - logsumexp
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
+def shard_model(model, args, device):
+    """FSDP2: each decoder layer, then the root (embeddings, final norm, head). Gradients are summed over ranks,
+    not averaged: every loss here is already divided by a count taken over the whole global batch."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    bf16 = args.bf16 and device.type == "cuda"
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
+    layer_classes = set(model._no_split_modules or [])  # HF's name for the decoder layer classes
+    for module in model.modules():
+        if type(module).__name__ in layer_classes:
+            fully_shard(module, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def make_optimizer(model, args):
+    if args.optimizer == "adam_tf":
+        return AdamTF(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
+    return torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon, weight_decay=args.weight_decay)
+
+
+def save_checkpoint(path, model, optimizer, scheduler, step, rank):
+    """Model and optimizer shards (torch.distributed.checkpoint), plus each rank's RNG and the loop position.
+    Written to `path.tmp` and renamed when every rank has finished, so a crash never leaves a half checkpoint."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=f"{path}.tmp")
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng}, f"{path}.tmp/rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        os.replace(f"{path}.tmp", path)
+    dist.barrier()
+
+
+def load_checkpoint(path, model, optimizer, scheduler, rank):
+    """Restore what save_checkpoint wrote (tensors and plain types only: weights_only) and return the step."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    extra = torch.load(f"{path}/rank{rank}.pt", weights_only=True)
+    scheduler.load_state_dict(extra["scheduler"])
+    torch.set_rng_state(extra["rng"]["torch"])
+    random.setstate(extra["rng"]["python"])
+    if "cuda" in extra["rng"]:
+        torch.cuda.set_rng_state(extra["rng"]["cuda"])
+    return extra["step"]
+
+
+def save_hf_model(model, tokenizer, output_dir, rank):
+    """Gather the full weights on rank 0 (a collective: every rank calls this) and write a Hugging Face folder."""
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SFT helpers
+# ---------------------------------------------------------------------------------------------------------------
+def tokenize_sft(dataset, tokenizer, args):
+    """Rows of prompt/completion (strings or message lists) or of messages (the last one is the completion) ->
+    (prompt_ids, completion_ids) lists. Empty completions and over-long rows are dropped and counted, never silently."""
+    columns = dataset.column_names
+    if "prompt" in columns and "completion" in columns:
+        pairs = zip(dataset["prompt"], dataset["completion"])
+    elif "messages" in columns:
+        pairs = ((m[:-1], m[-1:]) for m in dataset["messages"])
+    else:
+        raise ValueError(
+            f"dataset {args.dataset_name!r} has columns {columns}, but sft.py needs a 'completion' column with 'prompt' "
+            "(standard: strings; conversational: lists of {'role', 'content'} messages) or a 'messages' column "
+            "(conversational, the last message is the completion)"
+        )
+    prompts, completions, dropped = [], [], {"empty completion": 0, "prompt too long": 0, "completion too long": 0}
+    for prompt, completion in pairs:
+        empty = not completion if isinstance(completion, str) else not completion or not completion[-1]["content"]
+        if empty:
+            dropped["empty completion"] += 1
+            continue
+        prompt_ids, completion_ids = tokenize_prompt_completion(tokenizer, prompt, completion)
+        if len(prompt_ids) > args.max_prompt_length:
+            dropped["prompt too long"] += 1
+        elif len(completion_ids) > args.max_completion_length:
+            dropped["completion too long"] += 1
+        else:
+            prompts.append(prompt_ids)
+            completions.append(completion_ids)
+    return prompts, completions, dropped
+
+
+def sft_loss(model, prompts, completions, pad_token_id, num_tokens):
+    """Sum of -log p(completion tokens) over this micro-batch / `num_tokens`, the completion tokens of the whole
+    global batch (all ranks and accumulation steps), so the summed gradient is that of the global token mean."""
+    input_ids, attention_mask, completion_mask = make_batch(prompts, completions, pad_token_id)
+    device = next(model.parameters()).device
+    input_ids, attention_mask, completion_mask = input_ids.to(device), attention_mask.to(device), completion_mask.to(device)
+    logprobs = completion_logprobs(model, input_ids, attention_mask, completion_mask.shape[1])
+    return -(logprobs * completion_mask).sum() / num_tokens, attention_mask.sum()
+
+
+if __name__ == "__main__":
+    # 1. args, distributed init, derived batch sizes
+    args = tyro.cli(Args)
+    rank, world_size, device = init_distributed()
+    args.world_size = world_size
+    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    args.batch_size = args.local_batch_size * world_size
+
+    # 2. logging (rank 0), seeding
+    # TRY NOT TO MODIFY: seeding. Each rank gets its own stream (dropout); the data order uses its own generator.
+    random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    os.makedirs(args.output_dir, exist_ok=True)
+
+    # 3. data: every rank tokenises the same rows, so each knows the whole global batch (and its token count)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer of {args.model_name_or_path} has no eos_token: completions could never end")
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train_dataset = load_split(args.dataset_name, args.dataset_train_split)
+    if train_dataset is None:
+        raise ValueError(f"dataset {args.dataset_name!r} has no split {args.dataset_train_split!r}")
+    train_prompts, train_completions, dropped = tokenize_sft(train_dataset, tokenizer, args)
+    eval_dataset = load_split(args.dataset_name, args.dataset_test_split)
+    eval_prompts, eval_completions, _ = tokenize_sft(eval_dataset, tokenizer, args) if eval_dataset else ([], [], None)
+    if rank == 0:
+        print(f"train: {len(train_prompts)} of {len(train_dataset)} rows kept; dropped: {dropped}")
+        print(f"eval: {len(eval_prompts)} rows" if eval_dataset else f"no split {args.dataset_test_split!r}: eval skipped")
+    steps_per_epoch = len(train_prompts) // args.batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(train_prompts)} training rows cannot fill one global batch of {args.batch_size}")
+    args.num_training_steps = args.max_steps if args.max_steps > 0 else args.num_train_epochs * steps_per_epoch
+    if rank == 0:
+        print(f"{world_size} processes x {args.per_device_train_batch_size} per micro-batch x "
+              f"{args.gradient_accumulation_steps} accumulation = global batch {args.batch_size}; {steps_per_epoch} steps "
+              f"per epoch ({len(train_prompts) % args.batch_size} rows left out of each epoch, reshuffled every epoch)")
+
+    # 4. models + FSDP2 (fp32 master weights; bf16 compute on GPU through the mixed precision policy)
+    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = shard_model(model, args, device)
+
+    # 5. optimizer + lr schedule: the total is fixed now, and the scheduler steps once per optimizer step
+    optimizer = make_optimizer(model, args)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * args.num_training_steps),
+                              num_training_steps=args.num_training_steps)
+    start_step = load_checkpoint(args.resume_from, model, optimizer, scheduler, rank) if args.resume_from else 0
+
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    if rank == 0:
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name, save_code=True)
+        # a resumed run continues the same file: rows logged after the checkpoint are replaced
+        old_rows = [json.loads(line) for line in open(metrics_path)] if start_step > 0 and os.path.exists(metrics_path) else []
+        with open(metrics_path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in old_rows if row["step"] <= start_step)
+
+    @torch.no_grad()
+    def evaluate():
+        """Token-mean loss over the test split. Every rank runs the same number of forwards (FSDP's all-gathers are
+        collectives), padding its share with a zero-weight row when it runs out."""
+        model.eval()
+        mb = args.per_device_train_batch_size
+        share = list(range(rank, len(eval_prompts), world_size))
+        totals = torch.zeros(2, device=device)  # sum of -log p, number of tokens
+        for start in range(0, math.ceil(len(eval_prompts) / world_size), mb):
+            idx = share[start : start + mb] or [0]
+            weight = 1.0 if share[start : start + mb] else 0.0
+            input_ids, attention_mask, completion_mask = (
+                t.to(device) for t in make_batch([eval_prompts[i] for i in idx], [eval_completions[i] for i in idx], pad_token_id)
+            )
+            logprobs = completion_logprobs(model, input_ids, attention_mask, completion_mask.shape[1])
+            totals += weight * torch.stack([-(logprobs * completion_mask).sum(), completion_mask.sum().float()])
+        dist.all_reduce(totals)
+        model.train()
+        return (totals[0] / totals[1]).item()
+
+    # 6. training loop
+    model.train()
+    progress = tqdm(total=args.num_training_steps, initial=start_step, disable=rank != 0, desc="sft")
+    window_start, window_tokens = time.time(), torch.zeros((), device=device)
+    mb = args.per_device_train_batch_size
+    for step in range(start_step, args.num_training_steps):
+        # the global batch of this step: the same on every rank, so resuming at `step` gives the same data
+        epoch, position = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(train_prompts), generator=torch.Generator().manual_seed(args.seed * 100_003 + epoch))
+        batch = order[position * args.batch_size : (position + 1) * args.batch_size].tolist()
+        num_tokens = sum(len(train_completions[i]) for i in batch)  # over the whole global batch, not this rank's
+
+        loss_sum = torch.zeros((), device=device)
+        for micro_step in range(args.gradient_accumulation_steps):
+            start = (micro_step * world_size + rank) * mb
+            micro = batch[start : start + mb]
+            loss, tokens = sft_loss(model, [train_prompts[i] for i in micro], [train_completions[i] for i in micro], pad_token_id, num_tokens)
+            loss.backward()
+            loss_sum += loss.detach()
+            window_tokens += tokens
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
+        optimizer.step()
+        lr = scheduler.get_last_lr()[0]  # the learning rate this step used
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        progress.update(1)
+
+        done = step + 1
+        eval_now = done == args.num_training_steps or (args.eval_every > 0 and done % args.eval_every == 0)
+        if done % args.log_every == 0 or done == args.num_training_steps or eval_now:
+            dist.all_reduce(loss_sum)  # each rank holds its share of the global mean: sum them
+            dist.all_reduce(window_tokens)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            metrics = {"step": done, "episode": done * args.batch_size, "lr": lr, "loss": loss_sum.item(), "grad_norm": grad_norm.item(),
+                       "tokens_per_second": window_tokens.item() / (time.time() - window_start)}
+            if eval_now and eval_prompts:
+                metrics["eval/loss"] = evaluate()
+            if rank == 0:
+                progress.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(metrics) + "\n")
+                if args.track:
+                    wandb.log(metrics, step=done)
+            window_start, window_tokens = time.time(), torch.zeros((), device=device)
+        if args.save_every > 0 and done % args.save_every == 0:
+            save_checkpoint(os.path.join(args.output_dir, "checkpoints", f"step_{done}"), model, optimizer, scheduler, done, rank)
+    progress.close()
+
+    # 7. save + cleanup
+    save_hf_model(model, tokenizer, args.output_dir, rank)
+    if rank == 0:
+        print(f"saved {args.output_dir}")
+        if args.track:
+            wandb.finish()
+    dist.destroy_process_group()
