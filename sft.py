@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -221,6 +222,7 @@ def save_checkpoint(path, model, optimizer, scheduler, step, rank):
     torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng}, f"{path}.tmp/rank{rank}.pt")
     dist.barrier()
     if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)  # a run restarted into the same output_dir overwrites its old step
         os.replace(f"{path}.tmp", path)
     dist.barrier()
 
@@ -243,6 +245,10 @@ def load_checkpoint(path, model, optimizer, scheduler, rank):
 def save_hf_model(model, tokenizer, output_dir, rank):
     """Gather the full weights on rank 0 (a collective: every rank calls this) and write a Hugging Face folder."""
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    first_name = {}  # tied parameters (input embeddings = head) come back as copies: keep the first name only
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if first_name.setdefault(id(param), name) != name:
+            state_dict.pop(name, None)
     if rank == 0:
         model.save_pretrained(output_dir, state_dict=state_dict)
         tokenizer.save_pretrained(output_dir)
@@ -427,4 +433,5 @@ if __name__ == "__main__":
         print(f"saved {args.output_dir}")
         if args.track:
             wandb.finish()
+    dist.barrier()  # no rank tears gloo/nccl down while another still communicates (gloo can abort at exit otherwise)
     dist.destroy_process_group()

@@ -2,12 +2,11 @@
 
 import copy
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_script
 
 from adam_tf import AdamTF
 
@@ -146,9 +145,7 @@ dist.destroy_process_group()
 def test_adam_tf_fsdp2_two_processes_matches_one(tmp_path):
     script = tmp_path / "fsdp_adam.py"
     script.write_text(FSDP_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
-                         cwd=root, capture_output=True, text=True, timeout=300)
+    out = run_script(str(script), [], nproc=2)
     assert out.returncode == 0, out.stderr[-3000:]
     line = [x for x in out.stdout.splitlines() if x.startswith("WORST")][0]
     worst, moved = float(line.split()[1]), float(line.split()[3])

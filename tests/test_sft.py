@@ -1,0 +1,202 @@
+"""sft.py: unit tests of its helpers against independent references, and runs of the script as users run it."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import run_script
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+from sft import completion_logprobs, load_split, make_batch, sft_loss, tokenize_prompt_completion, tokenize_sft
+from toy_task import exact_match
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in open(path / "metrics.jsonl")]
+
+
+# ----------------------------------------------------------------------------------------------------- unit tests
+def test_make_batch_keeps_eos_when_pad_equals_eos():
+    eos = 7  # pad == eos: a mask built from `input_ids != pad` would drop the EOS the model must learn
+    input_ids, attention_mask, completion_mask = make_batch([[1, 2, 3], [4]], [[5, eos], [6, 6, 6, eos]], pad_token_id=eos)
+    assert input_ids.tolist() == [[1, 2, 3, 5, eos, eos, eos], [eos, eos, 4, 6, 6, 6, eos]]
+    assert attention_mask.tolist() == [[1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1]]
+    assert completion_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+
+
+def tiny_gpt2():
+    """Absolute position embeddings: left padding without position_ids would shift every position (RoPE would not)."""
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                      resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).eval()
+
+
+def reference_logprobs(model, prompt, completion, temperature=1.0):
+    """One unpadded sequence, full log_softmax: the textbook computation."""
+    ids = torch.tensor([prompt + completion])
+    logits = model(ids).logits[0, len(prompt) - 1 : -1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_completion_logprobs_left_padding_and_temperature(temperature):
+    model = tiny_gpt2()
+    prompts, completions = [[1, 2, 3, 4, 5], [6, 7]], [[8, 9], [10, 11, 12]]
+    input_ids, attention_mask, completion_mask = make_batch(prompts, completions, pad_token_id=0)
+    with torch.no_grad():
+        logprobs = completion_logprobs(model, input_ids, attention_mask, completion_mask.shape[1], temperature)
+        for row, (p, c) in enumerate(zip(prompts, completions)):
+            torch.testing.assert_close(logprobs[row, : len(c)], reference_logprobs(model, p, c, temperature), atol=1e-5, rtol=1e-5)
+        # control: the same batch without position_ids gives other log-probs for the left-padded row
+        plain = model(input_ids=input_ids, attention_mask=attention_mask).logits[1, -4:-2]
+        assert not torch.allclose(torch.log_softmax(plain, -1).gather(-1, torch.tensor([[10], [11]]))[:, 0],
+                                  reference_logprobs(model, prompts[1], completions[1])[:2], atol=1e-3)
+
+
+def test_sft_loss_is_token_mean_over_the_global_batch():
+    model = tiny_gpt2()
+    prompts, completions = [[1, 2, 3], [4], [5, 6]], [[7, 8, 9, 3], [10, 3], [11, 12, 13, 14, 15, 3]]
+    num_tokens = sum(len(c) for c in completions)  # 12 tokens over the "global batch" of three rows
+    with torch.no_grad():
+        expected = -sum(reference_logprobs(model, p, c).sum() for p, c in zip(prompts, completions)) / num_tokens
+        # split in two micro-batches, each divided by the global count, the parts sum to the global mean
+        part_a, _ = sft_loss(model, prompts[:2], completions[:2], 0, num_tokens)
+        part_b, _ = sft_loss(model, prompts[2:], completions[2:], 0, num_tokens)
+    torch.testing.assert_close(part_a + part_b, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_tokenize_standard_and_conversational(toy):
+    tok = AutoTokenizer.from_pretrained(toy / "model")
+    prompt_ids, completion_ids = tokenize_prompt_completion(tok, "sort: 312 ->", " 123")
+    assert tok.decode(prompt_ids) == "sort: 312 ->" and tok.decode(completion_ids) == " 123<|eos|>"
+    prompt_ids, completion_ids = tokenize_prompt_completion(
+        tok, [{"role": "user", "content": "sort: 312 ->"}], [{"role": "assistant", "content": " 123"}])
+    assert tok.decode(prompt_ids) == "<|user|>sort: 312 -><|assistant|>"
+    assert tok.decode(completion_ids) == " 123<|eos|>"  # the template's EOS, not appended a second time
+
+
+def test_bad_rows_are_counted_not_silently_dropped(toy):
+    import datasets
+
+    tok = AutoTokenizer.from_pretrained(toy / "model")
+    rows = {"prompt": ["sort: 1 ->", "sort: 2 ->", "x" * 40, "sort: 3 ->"], "completion": [" 1", "", " 2", " 3" * 30]}
+
+    class A:
+        dataset_name, max_prompt_length, max_completion_length = "rows", 20, 20
+
+    prompts, completions, dropped = tokenize_sft(datasets.Dataset.from_dict(rows), tok, A)
+    assert len(prompts) == 1 and dropped == {"empty completion": 1, "prompt too long": 1, "completion too long": 1}
+    with pytest.raises(ValueError, match="needs a 'completion' column"):
+        tokenize_sft(datasets.Dataset.from_dict({"prompt": ["a"], "answer": ["b"]}), tok, A)
+
+
+def test_load_split_file_folder_and_saved(toy, tmp_path):
+    assert len(load_split(str(toy / "sft"), "train")) == 4000 and len(load_split(str(toy / "sft"), "test")) == 200
+    assert len(load_split(str(toy / "sft" / "test.jsonl"), "train")) == 200
+    assert load_split(str(toy / "sft" / "test.jsonl"), "test") is None  # a single file is the train split only
+    load_split(str(toy / "sft"), "test").save_to_disk(str(tmp_path / "saved" / "test"))
+    json.dump({"splits": ["test"]}, open(tmp_path / "saved" / "dataset_dict.json", "w"))
+    assert len(load_split(str(tmp_path / "saved"), "test")) == 200 and load_split(str(tmp_path / "saved"), "train") is None
+
+
+# ---------------------------------------------------------------------------------------------- the script itself
+def test_sft_learns_the_toy_task_on_two_processes(toy, tmp_path):
+    out = tmp_path / "sft"
+    result = run_script("sft.py", ["--model_name_or_path", toy / "model", "--dataset_name", toy / "sft", "--output_dir", out,
+                                   "--learning_rate", 2e-3, "--max_steps", 150, "--warmup_ratio", 0.05, "--lr_scheduler_type", "cosine",
+                                   "--per_device_train_batch_size", 16, "--log_every", 25], nproc=2)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [25, 50, 75, 100, 125, 150]
+    assert rows[-1]["loss"] < 0.3 * rows[0]["loss"] and rows[-1]["eval/loss"] < 0.5
+    for key in ("loss", "lr", "grad_norm", "episode", "tokens_per_second"):
+        assert all(math.isfinite(r[key]) for r in rows), key
+    assert rows[-1]["episode"] == 150 * 32
+    before, after = exact_match(str(toy / "model"), str(toy / "prompts" / "test.jsonl")), exact_match(str(out), str(toy / "prompts" / "test.jsonl"))
+    print(f"toy exact match: untrained {before:.3f}, after 150 SFT steps {after:.3f}")
+    assert before < 0.05 and after >= 0.4  # exact_match loads the folder with from_pretrained and generates
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.model_type == "qwen2"
+
+
+# Four ways to split the same global batch of 8: (processes, micro-batch, accumulation steps)
+SPLITS = [(1, 8, 1), (1, 2, 4), (2, 4, 1), (2, 1, 4)]
+
+
+@pytest.fixture(scope="module")
+def split_runs(toy, tmp_path_factory):
+    """The same 12-step run (2 epochs of a 48-row file) under each split, with TF Adam and a warmup + cosine schedule."""
+    root = tmp_path_factory.mktemp("splits")
+    rows = open(toy / "sft" / "train.jsonl").readlines()[:48]
+    (root / "small.jsonl").write_text("".join(rows))
+    runs = {}
+    for nproc, mb, ga in SPLITS:
+        out = root / f"{nproc}x{mb}x{ga}"
+        result = run_script("sft.py", ["--model_name_or_path", toy / "model", "--dataset_name", root / "small.jsonl", "--output_dir", out,
+                                       "--num_train_epochs", 2, "--learning_rate", 3e-3, "--warmup_ratio", 0.25, "--lr_scheduler_type", "cosine",
+                                       "--optimizer", "adam_tf", "--adam_epsilon", 1e-5, "--per_device_train_batch_size", mb,
+                                       "--gradient_accumulation_steps", ga, "--log_every", 1, "--save_every", 6], nproc=nproc)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
+        assert "no split 'test': eval skipped" in result.stdout
+        runs[(nproc, mb, ga)] = out
+    return root, runs
+
+
+def test_split_invariance(split_runs):
+    _, runs = split_runs
+    reference = runs[SPLITS[0]]
+    ref_losses, ref_params = [r["loss"] for r in read_metrics(reference)], load_file(reference / "model.safetensors")
+    for split, out in runs.items():
+        losses, params = [r["loss"] for r in read_metrics(out)], load_file(out / "model.safetensors")
+        assert losses == pytest.approx(ref_losses, rel=1e-5), split
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], atol=1e-5, rtol=1e-5, msg=f"{split} {name}")
+    assert ref_losses[-1] < 0.8 * ref_losses[0]  # the runs did train: the comparison is not between idle models
+
+
+def test_lr_schedule_is_exact_for_every_split(split_runs):
+    _, runs = split_runs
+    total, warmup, peak = 12, 3, 3e-3  # 2 epochs x 48 rows / 8 per step; ceil(0.25 x 12) warmup steps
+    expected = [peak * k / warmup if k < warmup else peak * 0.5 * (1 + math.cos(math.pi * (k - warmup) / (total - warmup))) for k in range(total)]
+    for split, out in runs.items():
+        rows = read_metrics(out)
+        assert [r["step"] for r in rows] == list(range(1, total + 1)), split  # ends exactly at the last optimizer step
+        assert [r["lr"] for r in rows] == pytest.approx(expected, rel=1e-9, abs=1e-15), split
+
+
+def test_resume_continues_the_same_run(toy, split_runs):
+    root, runs = split_runs
+    straight = runs[(2, 4, 1)]
+    resumed = root / "resumed"
+    result = run_script("sft.py", ["--model_name_or_path", toy / "model", "--dataset_name", root / "small.jsonl", "--output_dir", resumed,
+                                   "--num_train_epochs", 2, "--learning_rate", 3e-3, "--warmup_ratio", 0.25, "--lr_scheduler_type", "cosine",
+                                   "--optimizer", "adam_tf", "--adam_epsilon", 1e-5, "--per_device_train_batch_size", 4,
+                                   "--log_every", 1, "--resume_from", straight / "checkpoints" / "step_6"], nproc=2)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
+    untimed = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_second"} for r in rows]
+    assert untimed(read_metrics(resumed)) == untimed(read_metrics(straight))[6:]  # steps 7..12, bit for bit
+    a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_missing_column_stops_with_a_clear_message(toy, tmp_path):
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "sort: 21 ->", "answer": "12"}) + "\n")
+    result = run_script("sft.py", ["--model_name_or_path", toy / "model", "--dataset_name", tmp_path / "bad.jsonl", "--output_dir", tmp_path / "out"])
+    assert result.returncode != 0
+    assert "has columns ['prompt', 'answer'], but sft.py needs a 'completion' column" in result.stderr
+
+
+def test_conversational_messages_and_dropped_rows_are_reported(toy, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"sort: {d} ->"}, {"role": "assistant", "content": " " + "".join(sorted(d))}]}
+            for d in ["312", "9081", "5521", "77"]]
+    rows.append({"messages": [{"role": "user", "content": "sort: 1 ->"}, {"role": "assistant", "content": ""}]})
+    rows.append({"messages": [{"role": "user", "content": "sort: " + "1" * 60 + " ->"}, {"role": "assistant", "content": " 1"}]})
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = run_script("sft.py", ["--model_name_or_path", toy / "model", "--dataset_name", tmp_path / "chat.jsonl", "--output_dir", tmp_path / "out",
+                                   "--max_prompt_length", 32, "--per_device_train_batch_size", 2, "--max_steps", 2, "--log_every", 1])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
+    assert "train: 4 of 6 rows kept; dropped: {'empty completion': 1, 'prompt too long': 1, 'completion too long': 0}" in result.stdout
+    assert len(read_metrics(tmp_path / "out")) == 2
