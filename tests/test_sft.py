@@ -189,14 +189,16 @@ def test_missing_column_stops_with_a_clear_message(toy, tmp_path):
     assert "has columns ['prompt', 'answer'], but sft.py needs a 'completion' column" in result.stderr
 
 
-def test_conversational_messages_and_dropped_rows_are_reported(toy, tmp_path):
+def test_conversational_messages_dropped_rows_and_wandb(toy, tmp_path):
     rows = [{"messages": [{"role": "user", "content": f"sort: {d} ->"}, {"role": "assistant", "content": " " + "".join(sorted(d))}]}
             for d in ["312", "9081", "5521", "77"]]
     rows.append({"messages": [{"role": "user", "content": "sort: 1 ->"}, {"role": "assistant", "content": ""}]})
     rows.append({"messages": [{"role": "user", "content": "sort: " + "1" * 60 + " ->"}, {"role": "assistant", "content": " 1"}]})
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     result = run_script("sft.py", ["--model_name_or_path", toy / "model", "--dataset_name", tmp_path / "chat.jsonl", "--output_dir", tmp_path / "out",
-                                   "--max_prompt_length", 32, "--per_device_train_batch_size", 2, "--max_steps", 2, "--log_every", 1])
+                                   "--max_prompt_length", 32, "--per_device_train_batch_size", 2, "--max_steps", 2, "--log_every", 1, "--track"],
+                        env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # --track logged the run (offline)
     assert "train: 4 of 6 rows kept; dropped: {'empty completion': 1, 'prompt too long': 1, 'completion too long': 0}" in result.stdout
     assert len(read_metrics(tmp_path / "out")) == 2
