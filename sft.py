@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import resource
 import shutil
 import time
 from dataclasses import dataclass
@@ -154,7 +155,9 @@ def tokenize_prompt_completion(tokenizer, prompt, completion):
         completion = full_text[len(prompt_text) :]
         prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]  # the template has them
     completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
-    if not completion_ids or completion_ids[-1] != tokenizer.eos_token_id:
+    # a chat template ends the turn itself, sometimes with text after EOS (Qwen: "<|im_end|>\n"): no second EOS then
+    ended = tokenizer.eos_token_id in completion_ids if not isinstance(prompt, str) else completion_ids[-1:] == [tokenizer.eos_token_id]
+    if not ended:
         completion_ids = completion_ids + [tokenizer.eos_token_id]
     return prompt_ids, completion_ids
 
@@ -429,8 +432,11 @@ if __name__ == "__main__":
 
     # 7. save + cleanup
     save_hf_model(model, tokenizer, args.output_dir, rank)
+    on_gpu = device.type == "cuda"  # peak memory of the busiest process: GPU allocations, or CPU resident set size
+    peak = torch.tensor(torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print(f"saved {args.output_dir}")
+        print(f"saved {args.output_dir}; peak {'GPU' if on_gpu else 'CPU RSS'} memory per process {peak.item() / 2**30:.2f} GiB")
         if args.track:
             wandb.finish()
     dist.barrier()  # no rank tears gloo/nccl down while another still communicates (gloo can abort at exit otherwise)

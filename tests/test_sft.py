@@ -76,6 +76,9 @@ def test_tokenize_standard_and_conversational(toy):
         tok, [{"role": "user", "content": "sort: 312 ->"}], [{"role": "assistant", "content": " 123"}])
     assert tok.decode(prompt_ids) == "<|user|>sort: 312 -><|assistant|>"
     assert tok.decode(completion_ids) == " 123<|eos|>"  # the template's EOS, not appended a second time
+    tok.chat_template = tok.chat_template.replace("<|eos|>{% endif %}", "<|eos|>\n{% endif %}")  # Qwen-style turn end
+    _, completion_ids = tokenize_prompt_completion(tok, [{"role": "user", "content": "a"}], [{"role": "assistant", "content": " b"}])
+    assert tok.decode(completion_ids) == " b<|eos|>\n"
 
 
 def test_bad_rows_are_counted_not_silently_dropped(toy):
