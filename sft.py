@@ -308,6 +308,7 @@ if __name__ == "__main__":
     args.world_size = world_size
     args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.batch_size = args.local_batch_size * world_size
+    mb = args.per_device_train_batch_size
 
     # 2. logging (rank 0), seeding
     # TRY NOT TO MODIFY: seeding. Each rank gets its own stream (dropout); the data order uses its own generator.
@@ -367,26 +368,21 @@ if __name__ == "__main__":
         """Token-mean loss over the test split. Every rank runs the same number of forwards (FSDP's all-gathers are
         collectives), padding its share with a zero-weight row when it runs out."""
         model.eval()
-        mb = args.per_device_train_batch_size
         share = list(range(rank, len(eval_prompts), world_size))
-        totals = torch.zeros(2, device=device)  # sum of -log p, number of tokens
+        num_tokens = sum(len(c) for c in eval_completions)  # every rank knows the whole test split
+        total = torch.zeros((), device=device)
         for start in range(0, math.ceil(len(eval_prompts) / world_size), mb):
             idx = share[start : start + mb] or [0]
             weight = 1.0 if share[start : start + mb] else 0.0
-            input_ids, attention_mask, completion_mask = (
-                t.to(device) for t in make_batch([eval_prompts[i] for i in idx], [eval_completions[i] for i in idx], pad_token_id)
-            )
-            logprobs = completion_logprobs(model, input_ids, attention_mask, completion_mask.shape[1])
-            totals += weight * torch.stack([-(logprobs * completion_mask).sum(), completion_mask.sum().float()])
-        dist.all_reduce(totals)
+            total += weight * sft_loss(model, [eval_prompts[i] for i in idx], [eval_completions[i] for i in idx], pad_token_id, num_tokens)[0]
+        dist.all_reduce(total)
         model.train()
-        return (totals[0] / totals[1]).item()
+        return total.item()
 
     # 6. training loop
     model.train()
     progress = tqdm(total=args.num_training_steps, initial=start_step, disable=rank != 0, desc="sft")
     window_start, window_tokens = time.time(), torch.zeros((), device=device)
-    mb = args.per_device_train_batch_size
     for step in range(start_step, args.num_training_steps):
         # the global batch of this step: the same on every rank, so resuming at `step` gives the same data
         epoch, position = divmod(step, steps_per_epoch)
