@@ -70,6 +70,8 @@ class Args:
     """micro-batch size: samples per process per forward/backward (HF name; `local_micro_batch_size`)"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step on each process"""
+    per_device_eval_batch_size: int = 32
+    """samples per process per forward pass without gradients (evaluation, reference log-probs, reward scores)"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this value (0: no clipping, the norm is still logged)"""
     optimizer: Literal["adamw", "adam_tf"] = "adamw"
@@ -139,6 +141,23 @@ def load_split(name, split):
         if "Unknown split" in str(e):
             return None
         raise
+
+
+def global_batch(step, num_rows, args):
+    """Row indices of the global batch of optimizer step `step`: the same on every rank and a function of the step
+    alone, so a resumed run sees the same data. Reshuffled every epoch; each epoch leaves its remainder rows out."""
+    epoch, position = divmod(step, num_rows // args.batch_size)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(args.seed * 100_003 + epoch))
+    return order[position * args.batch_size : (position + 1) * args.batch_size].tolist()
+
+
+def rank_micro_batches(num_rows, rank, world_size, size):
+    """This rank's share of rows 0..num_rows-1 in micro-batches of `size`, as many on every rank because each forward
+    of an FSDP model is a collective: a rank that has run out gets row 0 with valid=False, to be ignored."""
+    share = list(range(rank, num_rows, world_size))
+    for start in range(0, math.ceil(num_rows / world_size), size):
+        rows = share[start : start + size]
+        yield (rows, True) if rows else ([0], False)
 
 
 def tokenize_prompt_completion(tokenizer, prompt, completion):
@@ -365,16 +384,12 @@ if __name__ == "__main__":
 
     @torch.no_grad()
     def evaluate():
-        """Token-mean loss over the test split. Every rank runs the same number of forwards (FSDP's all-gathers are
-        collectives), padding its share with a zero-weight row when it runs out."""
+        """Token-mean loss over the test split, each rank scoring its share."""
         model.eval()
-        share = list(range(rank, len(eval_prompts), world_size))
         num_tokens = sum(len(c) for c in eval_completions)  # every rank knows the whole test split
         total = torch.zeros((), device=device)
-        for start in range(0, math.ceil(len(eval_prompts) / world_size), mb):
-            idx = share[start : start + mb] or [0]
-            weight = 1.0 if share[start : start + mb] else 0.0
-            total += weight * sft_loss(model, [eval_prompts[i] for i in idx], [eval_completions[i] for i in idx], pad_token_id, num_tokens)[0]
+        for rows, valid in rank_micro_batches(len(eval_prompts), rank, world_size, args.per_device_eval_batch_size):
+            total += valid * sft_loss(model, [eval_prompts[i] for i in rows], [eval_completions[i] for i in rows], pad_token_id, num_tokens)[0]
         dist.all_reduce(total)
         model.train()
         return total.item()
@@ -384,10 +399,7 @@ if __name__ == "__main__":
     progress = tqdm(total=args.num_training_steps, initial=start_step, disable=rank != 0, desc="sft")
     window_start, window_tokens = time.time(), torch.zeros((), device=device)
     for step in range(start_step, args.num_training_steps):
-        # the global batch of this step: the same on every rank, so resuming at `step` gives the same data
-        epoch, position = divmod(step, steps_per_epoch)
-        order = torch.randperm(len(train_prompts), generator=torch.Generator().manual_seed(args.seed * 100_003 + epoch))
-        batch = order[position * args.batch_size : (position + 1) * args.batch_size].tolist()
+        batch = global_batch(step, len(train_prompts), args)
         num_tokens = sum(len(train_completions[i]) for i in batch)  # over the whole global batch, not this rank's
 
         loss_sum = torch.zeros((), device=device)

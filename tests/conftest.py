@@ -1,8 +1,11 @@
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # tests import from the top-level scripts: `from sft import ...`
@@ -26,3 +29,33 @@ def run_script(script, args, nproc=1, timeout=600, env=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run(launcher + [os.path.join(ROOT, script)] + [str(a) for a in args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))]
+
+
+@pytest.fixture(scope="session")
+def sft_model(toy, tmp_path_factory):
+    """The toy SFT model: 150 steps on 2 processes (about 20 s). test_sft checks the run; reward and DPO start from it.
+    Returns the output folder and the finished process (its output)."""
+    out = tmp_path_factory.mktemp("sft")
+    result = run_script("sft.py", ["--model_name_or_path", toy / "model", "--dataset_name", toy / "sft", "--output_dir", out,
+                                   "--learning_rate", 2e-3, "--max_steps", 150, "--warmup_ratio", 0.05, "--lr_scheduler_type", "cosine",
+                                   "--per_device_train_batch_size", 16, "--log_every", 25], nproc=2)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
+    return out, result
+
+
+def tiny_gpt2():
+    """Absolute position embeddings: left padding without position_ids would shift every position (RoPE would not)."""
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                      resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).eval()
+
+
+def reference_logprobs(model, prompt, completion, temperature=1.0):
+    """One unpadded sequence, full log_softmax: the textbook computation."""
+    ids = torch.tensor([prompt + completion])
+    logits = model(ids).logits[0, len(prompt) - 1 : -1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]

@@ -5,17 +5,11 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import run_script
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+from conftest import read_metrics, reference_logprobs, run_script, tiny_gpt2
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sft import completion_logprobs, load_split, make_batch, sft_loss, tokenize_prompt_completion, tokenize_sft
+from sft import completion_logprobs, global_batch, load_split, make_batch, rank_micro_batches, sft_loss, tokenize_prompt_completion, tokenize_sft
 from toy_task import exact_match
-
-
-def read_metrics(path):
-    return [json.loads(line) for line in open(path / "metrics.jsonl")]
 
 
 # ----------------------------------------------------------------------------------------------------- unit tests
@@ -25,20 +19,6 @@ def test_make_batch_keeps_eos_when_pad_equals_eos():
     assert input_ids.tolist() == [[1, 2, 3, 5, eos, eos, eos], [eos, eos, 4, 6, 6, 6, eos]]
     assert attention_mask.tolist() == [[1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1]]
     assert completion_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
-
-
-def tiny_gpt2():
-    """Absolute position embeddings: left padding without position_ids would shift every position (RoPE would not)."""
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                                      resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).eval()
-
-
-def reference_logprobs(model, prompt, completion, temperature=1.0):
-    """One unpadded sequence, full log_softmax: the textbook computation."""
-    ids = torch.tensor([prompt + completion])
-    logits = model(ids).logits[0, len(prompt) - 1 : -1] / temperature
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -105,13 +85,27 @@ def test_load_split_file_folder_and_saved(toy, tmp_path):
     assert len(load_split(str(tmp_path / "saved"), "test")) == 200 and load_split(str(tmp_path / "saved"), "train") is None
 
 
+def test_rank_micro_batches_cover_every_row_once_with_equal_counts_per_rank():
+    for num_rows, world_size, size in [(10, 3, 2), (7, 2, 4), (1, 2, 3), (64, 4, 8)]:
+        shares = [list(rank_micro_batches(num_rows, r, world_size, size)) for r in range(world_size)]
+        assert len({len(s) for s in shares}) == 1  # as many forwards on every rank: FSDP's collectives line up
+        valid_rows = [i for s in shares for rows, valid in s if valid for i in rows]
+        assert sorted(valid_rows) == list(range(num_rows))
+        assert all(rows == [0] for s in shares for rows, valid in s if not valid)
+
+
+def test_global_batch_is_a_function_of_the_step_and_reshuffles_each_epoch():
+    class A:
+        seed, batch_size = 3, 4
+
+    epoch0 = [global_batch(step, 10, A) for step in range(2)]  # 10 rows, batches of 4: 2 steps per epoch, 2 rows left out
+    assert len(set(epoch0[0] + epoch0[1])) == 8 and global_batch(1, 10, A) == epoch0[1]
+    assert [global_batch(step, 10, A) for step in (2, 3)] != epoch0
+
+
 # ---------------------------------------------------------------------------------------------- the script itself
-def test_sft_learns_the_toy_task_on_two_processes(toy, tmp_path):
-    out = tmp_path / "sft"
-    result = run_script("sft.py", ["--model_name_or_path", toy / "model", "--dataset_name", toy / "sft", "--output_dir", out,
-                                   "--learning_rate", 2e-3, "--max_steps", 150, "--warmup_ratio", 0.05, "--lr_scheduler_type", "cosine",
-                                   "--per_device_train_batch_size", 16, "--log_every", 25], nproc=2)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
+def test_sft_learns_the_toy_task_on_two_processes(toy, sft_model):
+    out, result = sft_model
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [25, 50, 75, 100, 125, 150]
     assert rows[-1]["loss"] < 0.3 * rows[0]["loss"] and rows[-1]["eval/loss"] < 0.5
@@ -123,66 +117,6 @@ def test_sft_learns_the_toy_task_on_two_processes(toy, tmp_path):
     assert before < 0.05 and after >= 0.4  # exact_match loads the folder with from_pretrained and generates
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.model_type == "qwen2"
-
-
-# Four ways to split the same global batch of 8: (processes, micro-batch, accumulation steps)
-SPLITS = [(1, 8, 1), (1, 2, 4), (2, 4, 1), (2, 1, 4)]
-
-
-@pytest.fixture(scope="module")
-def split_runs(toy, tmp_path_factory):
-    """The same 12-step run (2 epochs of a 48-row file) under each split, with TF Adam and a warmup + cosine schedule."""
-    root = tmp_path_factory.mktemp("splits")
-    rows = open(toy / "sft" / "train.jsonl").readlines()[:48]
-    (root / "small.jsonl").write_text("".join(rows))
-    runs = {}
-    for nproc, mb, ga in SPLITS:
-        out = root / f"{nproc}x{mb}x{ga}"
-        result = run_script("sft.py", ["--model_name_or_path", toy / "model", "--dataset_name", root / "small.jsonl", "--output_dir", out,
-                                       "--num_train_epochs", 2, "--learning_rate", 3e-3, "--warmup_ratio", 0.25, "--lr_scheduler_type", "cosine",
-                                       "--optimizer", "adam_tf", "--adam_epsilon", 1e-5, "--per_device_train_batch_size", mb,
-                                       "--gradient_accumulation_steps", ga, "--log_every", 1, "--save_every", 6], nproc=nproc)
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
-        assert "no split 'test': eval skipped" in result.stdout
-        runs[(nproc, mb, ga)] = out
-    return root, runs
-
-
-def test_split_invariance(split_runs):
-    _, runs = split_runs
-    reference = runs[SPLITS[0]]
-    ref_losses, ref_params = [r["loss"] for r in read_metrics(reference)], load_file(reference / "model.safetensors")
-    for split, out in runs.items():
-        losses, params = [r["loss"] for r in read_metrics(out)], load_file(out / "model.safetensors")
-        assert losses == pytest.approx(ref_losses, rel=1e-5), split
-        for name, value in params.items():
-            torch.testing.assert_close(value, ref_params[name], atol=1e-5, rtol=1e-5, msg=f"{split} {name}")
-    assert ref_losses[-1] < 0.8 * ref_losses[0]  # the runs did train: the comparison is not between idle models
-
-
-def test_lr_schedule_is_exact_for_every_split(split_runs):
-    _, runs = split_runs
-    total, warmup, peak = 12, 3, 3e-3  # 2 epochs x 48 rows / 8 per step; ceil(0.25 x 12) warmup steps
-    expected = [peak * k / warmup if k < warmup else peak * 0.5 * (1 + math.cos(math.pi * (k - warmup) / (total - warmup))) for k in range(total)]
-    for split, out in runs.items():
-        rows = read_metrics(out)
-        assert [r["step"] for r in rows] == list(range(1, total + 1)), split  # ends exactly at the last optimizer step
-        assert [r["lr"] for r in rows] == pytest.approx(expected, rel=1e-9, abs=1e-15), split
-
-
-def test_resume_continues_the_same_run(toy, split_runs):
-    root, runs = split_runs
-    straight = runs[(2, 4, 1)]
-    resumed = root / "resumed"
-    result = run_script("sft.py", ["--model_name_or_path", toy / "model", "--dataset_name", root / "small.jsonl", "--output_dir", resumed,
-                                   "--num_train_epochs", 2, "--learning_rate", 3e-3, "--warmup_ratio", 0.25, "--lr_scheduler_type", "cosine",
-                                   "--optimizer", "adam_tf", "--adam_epsilon", 1e-5, "--per_device_train_batch_size", 4,
-                                   "--log_every", 1, "--resume_from", straight / "checkpoints" / "step_6"], nproc=2)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
-    untimed = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_second"} for r in rows]
-    assert untimed(read_metrics(resumed)) == untimed(read_metrics(straight))[6:]  # steps 7..12, bit for bit
-    a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
-    assert all(torch.equal(a[name], b[name]) for name in a)
 
 
 def test_missing_column_stops_with_a_clear_message(toy, tmp_path):
