@@ -1,0 +1,541 @@
+"""Direct Preference Optimization (DPO) in one file: the policy learns from preference pairs directly, its implicit
+reward beta * log(pi / pi_ref) replacing a reward model. Paper: arXiv:2305.18290. Also: IPO (arXiv:2310.12036), hinge
+(SLiC, arXiv:2305.10425) and conservative DPO (label smoothing). What differs from the paper: (1) the reference
+log-probabilities are computed once, before training, for the whole training split, and the reference model is freed
+(--no-precompute-ref-logps keeps it and recomputes them online; both give the same losses); (2) dropout is off in
+the policy, so the implicit reward is exactly 0 before the first step; (3) IPO uses summed log-probabilities, as the
+other losses do (TRL averages them over tokens for IPO); (4) optional RPO term (--rpo_alpha).
+Run:  torchrun --nproc_per_node 2 dpo.py --model_name_or_path runs/sft --dataset_name toy/preference --output_dir runs/dpo \
+          --learning_rate 1e-5 --beta 0.1 --num_train_epochs 1
+      torchrun --nproc_per_node 8 dpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name trl-lib/ultrafeedback_binarized --track
+"""
+
+import json
+import math
+import os
+import random
+import resource
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import datasets
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+import tyro
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+from adam_tf import AdamTF
+
+
+@dataclass
+class Args:
+    # common arguments: the same names and meaning in every script
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (wandb run names start with it)"""
+    seed: int = 1
+    """seed of the experiment (data order, initialisation, sampling)"""
+    track: bool = False
+    """log to Weights and Biases (`WANDB_MODE=offline` works)"""
+    wandb_project_name: str = "rlhf-scripts"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team)"""
+    output_dir: str = "runs/dpo"
+    """where the final Hugging Face model folder, checkpoints and metrics.jsonl are written"""
+    model_name_or_path: str = "runs/sft"
+    """a hub id or a local Hugging Face model folder: the SFT model the policy starts from"""
+    dataset_name: str = "toy/preference"
+    """a hub id, a local .json/.jsonl/.parquet/.csv file (the train split) or a local folder of such files"""
+    dataset_train_split: str = "train"
+    """the split to train on"""
+    dataset_test_split: str = "test"
+    """the split to evaluate on (skipped, with a message, if the dataset has none)"""
+    max_steps: int = -1
+    """number of optimizer steps; -1: run `num_train_epochs` epochs"""
+    num_train_epochs: int = 1
+    """passes over the training split (used when max_steps is -1)"""
+    learning_rate: float = 1e-6
+    """peak learning rate"""
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    """learning rate schedule after warmup (transformers.get_scheduler), stepped once per optimizer step"""
+    warmup_ratio: float = 0.0
+    """fraction of the optimizer steps spent warming up linearly from 0"""
+    per_device_train_batch_size: int = 8
+    """micro-batch size: samples per process per forward/backward (HF name; `local_micro_batch_size`)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step on each process"""
+    per_device_eval_batch_size: int = 32
+    """samples per process per forward pass without gradients (evaluation, reference log-probs, reward scores)"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this value (0: no clipping, the norm is still logged)"""
+    optimizer: Literal["adamw", "adam_tf"] = "adamw"
+    """adamw: torch.optim.AdamW; adam_tf: TensorFlow-style Adam (epsilon hat), see adam_tf.py"""
+    adam_epsilon: float = 1e-8
+    """Adam's epsilon (lm-human-preferences used 1e-5 with adam_tf)"""
+    weight_decay: float = 0.0
+    """decoupled weight decay (adamw only)"""
+    bf16: bool = True
+    """bf16 mixed precision (parameters kept in fp32) on GPU; CPU runs always compute in fp32"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    cpu_offload: bool = False
+    """keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy)"""
+    log_every: int = 10
+    """print and log metrics every this many optimizer steps"""
+    eval_every: int = -1
+    """evaluate every this many optimizer steps (-1: only at the end)"""
+    save_every: int = -1
+    """write a resumable checkpoint every this many optimizer steps (-1: never)"""
+    resume_from: Optional[str] = None
+    """a checkpoint folder (output_dir/checkpoints/step_N) to continue the same run from"""
+    max_prompt_length: int = 512
+    """pairs whose prompt is longer than this (in tokens) are dropped, and counted in a message at start"""
+    max_completion_length: int = 1024
+    """pairs with a completion longer than this (in tokens, EOS included) are dropped, and counted in a message at start"""
+
+    # batch sizes (computed)
+    world_size: Optional[int] = None
+    """number of processes (computed)"""
+    local_batch_size: Optional[int] = None
+    """samples per process per optimizer step = per_device_train_batch_size x gradient_accumulation_steps (computed)"""
+    batch_size: Optional[int] = None
+    """global batch: samples per optimizer step = local_batch_size x world_size (computed)"""
+    num_training_steps: Optional[int] = None
+    """total optimizer steps, fixed before training; the LR schedule ends exactly there (computed)"""
+
+    # DPO
+    beta: float = 0.1
+    """strength of the KL regularisation to the reference: the implicit reward is beta * log(pi / pi_ref)"""
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    """sigmoid: DPO; ipo: IPO (arXiv:2310.12036); hinge: SLiC (arXiv:2305.10425)"""
+    label_smoothing: float = 0.0
+    """assumed probability that a preference label is flipped (conservative DPO; sigmoid only)"""
+    ref_model_name_or_path: Optional[str] = None
+    """the reference model (default: model_name_or_path, the SFT model)"""
+    rpo_alpha: float = 0.0
+    """weight of the chosen completion's per-token NLL added to the loss (RPO, arXiv:2404.19733; 0: plain DPO)"""
+    precompute_ref_logps: bool = True
+    """compute the reference log-probs once before training, then free the reference model (--no-...: keep it, online)"""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared helpers: pasted verbatim in every script that needs them (tests/test_consistency.py keeps them identical)
+# ---------------------------------------------------------------------------------------------------------------
+def init_distributed():
+    """torchrun sets RANK and WORLD_SIZE; plain `python script.py` is world size 1 on the same code path."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def load_split(name, split):
+    """A split of a hub dataset, a local dataset folder, or a local file (a single file is the train split).
+    Returns None when there is no such split."""
+    if os.path.isfile(name):
+        builder = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}[name.rsplit(".", 1)[-1]]
+        return datasets.load_dataset(builder, data_files=name, split="train") if split == "train" else None
+    if os.path.isfile(os.path.join(name, "dataset_dict.json")):  # a DatasetDict written by save_to_disk
+        dataset_dict = datasets.load_from_disk(name)
+        return dataset_dict[split] if split in dataset_dict else None
+    try:
+        return datasets.load_dataset(name, split=split)
+    except ValueError as e:
+        if "Unknown split" in str(e):
+            return None
+        raise
+
+
+def global_batch(step, num_rows, args):
+    """Row indices of the global batch of optimizer step `step`: the same on every rank and a function of the step
+    alone, so a resumed run sees the same data. Reshuffled every epoch; each epoch leaves its remainder rows out."""
+    epoch, position = divmod(step, num_rows // args.batch_size)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(args.seed * 100_003 + epoch))
+    return order[position * args.batch_size : (position + 1) * args.batch_size].tolist()
+
+
+def rank_micro_batches(num_rows, rank, world_size, size):
+    """This rank's share of rows 0..num_rows-1 in micro-batches of `size`, as many on every rank because each forward
+    of an FSDP model is a collective: a rank that has run out gets row 0 with valid=False, to be ignored."""
+    share = list(range(rank, num_rows, world_size))
+    for start in range(0, math.ceil(num_rows / world_size), size):
+        rows = share[start : start + size]
+        yield (rows, True) if rows else ([0], False)
+
+
+def tokenize_prompt_completion(tokenizer, prompt, completion):
+    """Token ids of a prompt and of its completion, EOS appended to the completion unless already there.
+    Standard format: two strings. Conversational format: two lists of {"role", "content"} messages, rendered with
+    the tokenizer's chat template (the completion is what the template adds after the generation prompt)."""
+    if isinstance(prompt, str):
+        prompt_ids = tokenizer(prompt)["input_ids"]  # special tokens (BOS) as the tokenizer adds them
+    else:
+        prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        full_text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+        if not full_text.startswith(prompt_text):
+            raise ValueError("the chat template renders the conversation without its prompt as a prefix")
+        completion = full_text[len(prompt_text) :]
+        prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]  # the template has them
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    # a chat template ends the turn itself, sometimes with text after EOS (Qwen: "<|im_end|>\n"): no second EOS then
+    ended = tokenizer.eos_token_id in completion_ids if not isinstance(prompt, str) else completion_ids[-1:] == [tokenizer.eos_token_id]
+    if not ended:
+        completion_ids = completion_ids + [tokenizer.eos_token_id]
+    return prompt_ids, completion_ids
+
+
+def pad(sequences, value, side):
+    """Pad lists of ints to one width, on the left or the right; returns a LongTensor."""
+    width = max(len(s) for s in sequences)
+    fill = [[value] * (width - len(s)) for s in sequences]
+    return torch.tensor([f + s if side == "left" else s + f for s, f in zip(sequences, fill)], dtype=torch.long)
+
+
+def make_batch(prompts, completions, pad_token_id):
+    """[left-padded prompts | right-padded completions]. Masks come from lengths, never from pad_token_id, so the
+    completion's EOS stays in the loss when pad == eos. Returns input_ids, attention_mask, completion_mask."""
+    ones = [[1] * len(s) for s in prompts], [[1] * len(s) for s in completions]
+    input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
+    completion_mask = pad(ones[1], 0, "right")
+    return input_ids, torch.cat([pad(ones[0], 0, "left"), completion_mask], 1), completion_mask
+
+
+def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0):
+    """Log-probabilities of the last `completion_width` tokens, from logits / temperature."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                   logits_to_keep=completion_width + 1).logits[:, :-1]  # logits at t predict token t + 1
+    logits = logits.float() / temperature
+    labels = input_ids[:, -completion_width:]
+    # log_softmax at the label without materialising it over the vocabulary: logit - logsumexp
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
+def shard_model(model, args, device):
+    """FSDP2: each decoder layer, then the root (embeddings, final norm, head). Gradients are summed over ranks,
+    not averaged: every loss here is already divided by a count taken over the whole global batch."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    bf16 = args.bf16 and device.type == "cuda"
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
+    layer_classes = set(model._no_split_modules or [])  # HF's name for the decoder layer classes
+    for module in model.modules():
+        if type(module).__name__ in layer_classes:
+            fully_shard(module, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def make_optimizer(model, args):
+    if args.optimizer == "adam_tf":
+        return AdamTF(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
+    return torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon, weight_decay=args.weight_decay)
+
+
+def save_checkpoint(path, model, optimizer, scheduler, step, rank):
+    """Model and optimizer shards (torch.distributed.checkpoint), plus each rank's RNG and the loop position.
+    Written to `path.tmp` and renamed when every rank has finished, so a crash never leaves a half checkpoint."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=f"{path}.tmp")
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng}, f"{path}.tmp/rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)  # a run restarted into the same output_dir overwrites its old step
+        os.replace(f"{path}.tmp", path)
+    dist.barrier()
+
+
+def load_checkpoint(path, model, optimizer, scheduler, rank):
+    """Restore what save_checkpoint wrote (tensors and plain types only: weights_only) and return the step."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    extra = torch.load(f"{path}/rank{rank}.pt", weights_only=True)
+    scheduler.load_state_dict(extra["scheduler"])
+    torch.set_rng_state(extra["rng"]["torch"])
+    random.setstate(extra["rng"]["python"])
+    if "cuda" in extra["rng"]:
+        torch.cuda.set_rng_state(extra["rng"]["cuda"])
+    return extra["step"]
+
+
+def save_hf_model(model, tokenizer, output_dir, rank):
+    """Gather the full weights on rank 0 (a collective: every rank calls this) and write a Hugging Face folder."""
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    first_name = {}  # tied parameters (input embeddings = head) come back as copies: keep the first name only
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if first_name.setdefault(id(param), name) != name:
+            state_dict.pop(name, None)
+    if rank == 0:
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
+
+
+def tokenize_preference(dataset, tokenizer, args):
+    """Rows of prompt/chosen/rejected (strings or message lists; without a prompt column, conversations whose shared
+    opening is the prompt) -> {"prompt", "chosen", "rejected", "margin"} lists of token ids (margin: the optional
+    column, else 0). Empty completions and over-long rows are dropped and counted, never silently."""
+    columns = dataset.column_names
+    if "chosen" not in columns or "rejected" not in columns:
+        raise ValueError(
+            f"dataset {args.dataset_name!r} has columns {columns}, but preference data needs 'chosen' and 'rejected' "
+            "columns, with 'prompt' (standard: strings; conversational: lists of {'role', 'content'} messages) or without "
+            "it (conversational only: the messages before the last one are the prompt)"
+        )
+    prompts = dataset["prompt"] if "prompt" in columns else [None] * len(dataset)
+    margins = dataset["margin"] if "margin" in columns else [0.0] * len(dataset)
+    data, dropped = {"prompt": [], "chosen": [], "rejected": [], "margin": []}, {"empty completion": 0, "prompt too long": 0, "completion too long": 0}
+    for prompt, chosen, rejected, margin in zip(prompts, dataset["chosen"], dataset["rejected"], margins):
+        if prompt is None:  # implicit prompt (e.g. trl-lib/ultrafeedback_binarized)
+            if isinstance(chosen, str) or chosen[:-1] != rejected[:-1]:
+                raise ValueError(f"dataset {args.dataset_name!r} has no 'prompt' column and its chosen/rejected are not "
+                                 "two conversations that differ only in their last message")
+            prompt, chosen, rejected = chosen[:-1], chosen[-1:], rejected[-1:]
+        if any(not c if isinstance(c, str) else not c or not c[-1]["content"] for c in (chosen, rejected)):
+            dropped["empty completion"] += 1
+            continue
+        prompt_ids, chosen_ids = tokenize_prompt_completion(tokenizer, prompt, chosen)
+        _, rejected_ids = tokenize_prompt_completion(tokenizer, prompt, rejected)
+        if len(prompt_ids) > args.max_prompt_length:
+            dropped["prompt too long"] += 1
+        elif max(len(chosen_ids), len(rejected_ids)) > args.max_completion_length:
+            dropped["completion too long"] += 1
+        else:
+            for key, value in zip(data, (prompt_ids, chosen_ids, rejected_ids, float(margin))):
+                data[key].append(value)
+    return data, dropped
+
+
+def disable_dropout(model):
+    """Dropout off: every dropout layer, and the attention dropout that HF models read from an attribute."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DPO helpers
+# ---------------------------------------------------------------------------------------------------------------
+def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_lengths, args):
+    """Per-pair loss and the implicit rewards beta * log(pi / pi_ref) of both completions. With h = the chosen
+    log-ratio minus the rejected one: sigmoid -log sigmoid(beta h) (Eq. 7 of arXiv:2305.18290), mixed with
+    -log sigmoid(-beta h) by label_smoothing (conservative DPO: labels flipped with that probability);
+    ipo (h - 1 / (2 beta))^2 (Eq. 17 of arXiv:2310.12036); hinge max(0, 1 - beta h) (SLiC). Plus rpo_alpha x the
+    chosen completion's negative log-likelihood per token (RPO, Eq. 3 of arXiv:2404.19733): DPO alone can lower the
+    likelihood of the chosen answer too when the two completions differ by a token or two."""
+    beta, eps = args.beta, args.label_smoothing
+    chosen_ratio, rejected_ratio = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
+    h = chosen_ratio - rejected_ratio
+    if args.loss_type == "sigmoid":
+        losses = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+    elif args.loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:
+        losses = torch.relu(1 - beta * h)
+    return losses - args.rpo_alpha * chosen_logps / chosen_lengths, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def pair_logps(model, data, rows, pad_token_id):
+    """Summed log-probabilities of the chosen and of the rejected completion of `rows` (EOS included), in one
+    forward of 2 x len(rows) sequences; also the chosen completions' lengths and the tokens processed."""
+    prompts = [data["prompt"][i] for i in rows]
+    completions = [data["chosen"][i] for i in rows] + [data["rejected"][i] for i in rows]
+    input_ids, attention_mask, completion_mask = make_batch(prompts + prompts, completions, pad_token_id)
+    device = next(model.parameters()).device
+    input_ids, attention_mask, completion_mask = input_ids.to(device), attention_mask.to(device), completion_mask.to(device)
+    logps = (completion_logprobs(model, input_ids, attention_mask, completion_mask.shape[1]) * completion_mask).sum(1)
+    return logps[: len(rows)], logps[len(rows) :], completion_mask[: len(rows)].sum(1), attention_mask.sum()
+
+
+
+if __name__ == "__main__":
+    # 1. args, distributed init, derived batch sizes
+    args = tyro.cli(Args)
+    rank, world_size, device = init_distributed()
+    args.world_size = world_size
+    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    args.batch_size = args.local_batch_size * world_size
+    mb = args.per_device_train_batch_size
+    if args.label_smoothing > 0 and args.loss_type != "sigmoid":
+        raise ValueError(f"--label_smoothing applies to --loss_type sigmoid only (got {args.loss_type})")
+
+    # 2. logging (rank 0), seeding
+    # TRY NOT TO MODIFY: seeding. Each rank gets its own stream (dropout); the data order uses its own generator.
+    random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    os.makedirs(args.output_dir, exist_ok=True)
+
+    # 3. data: every rank tokenises the same rows, so each knows the whole global batch
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer of {args.model_name_or_path} has no eos_token: completions could never end")
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train_dataset = load_split(args.dataset_name, args.dataset_train_split)
+    if train_dataset is None:
+        raise ValueError(f"dataset {args.dataset_name!r} has no split {args.dataset_train_split!r}")
+    train, dropped = tokenize_preference(train_dataset, tokenizer, args)
+    eval_dataset = load_split(args.dataset_name, args.dataset_test_split)
+    test = tokenize_preference(eval_dataset, tokenizer, args)[0] if eval_dataset else None
+    num_rows = len(train["prompt"])
+    if rank == 0:
+        print(f"train: {num_rows} of {len(train_dataset)} pairs kept; dropped: {dropped}")
+        print(f"eval: {len(test['prompt'])} pairs" if test else f"no split {args.dataset_test_split!r}: eval skipped")
+    steps_per_epoch = num_rows // args.batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(f"{num_rows} training pairs cannot fill one global batch of {args.batch_size}")
+    args.num_training_steps = args.max_steps if args.max_steps > 0 else args.num_train_epochs * steps_per_epoch
+    if rank == 0:
+        print(f"{world_size} processes x {args.per_device_train_batch_size} per micro-batch x "
+              f"{args.gradient_accumulation_steps} accumulation = global batch {args.batch_size}; {steps_per_epoch} steps "
+              f"per epoch ({num_rows % args.batch_size} rows left out of each epoch, reshuffled every epoch)")
+
+    # 4. models + FSDP2: the policy, then the frozen reference (the same SFT model unless --ref_model_name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+    disable_dropout(model)  # the implicit reward compares policy and reference log-probs: no noise in either
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = shard_model(model, args, device)
+    ref_model = AutoModelForCausalLM.from_pretrained(args.ref_model_name_or_path or args.model_name_or_path, dtype=torch.float32)
+    disable_dropout(ref_model.requires_grad_(False).eval())
+    ref_model = shard_model(ref_model, args, device)
+
+    # 5. optimizer + lr schedule: the total is fixed now, and the scheduler steps once per optimizer step
+    optimizer = make_optimizer(model, args)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * args.num_training_steps),
+                              num_training_steps=args.num_training_steps)
+    start_step = load_checkpoint(args.resume_from, model, optimizer, scheduler, rank) if args.resume_from else 0
+
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    if rank == 0:
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name, save_code=True)
+        # a resumed run continues the same file: rows logged after the checkpoint are replaced
+        old_rows = [json.loads(line) for line in open(metrics_path)] if start_step > 0 and os.path.exists(metrics_path) else []
+        with open(metrics_path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in old_rows if row["step"] <= start_step)
+
+    @torch.no_grad()
+    def reference_table(data):
+        """Summed reference log-probs of the chosen and rejected completions of every row of `data`, as a (rows, 2)
+        table: each rank computes its share and the sum gives every rank all of it. The rows are always grouped the
+        same way, so the table, and a run resumed from a checkpoint, are identical to the bit."""
+        table = torch.zeros(len(data["prompt"]), 2, device=device)
+        for rows, valid in rank_micro_batches(len(data["prompt"]), rank, world_size, args.per_device_eval_batch_size):
+            chosen, rejected, _, _ = pair_logps(ref_model, data, rows, pad_token_id)
+            table[rows] += valid * torch.stack([chosen, rejected], 1)
+        dist.all_reduce(table)
+        return table
+
+    # the reference log-probs, once, before training; then the reference model is freed
+    if args.precompute_ref_logps:
+        tables = {"train": reference_table(train), "test": reference_table(test) if test else None}
+        del ref_model
+        if rank == 0:
+            print(f"reference log-probs computed for {num_rows} training pairs and {len(test['prompt']) if test else 0} test pairs")
+
+    def reference_logps(split, data, rows):
+        if args.precompute_ref_logps:
+            return tables[split][rows].unbind(1)
+        with torch.no_grad():
+            return pair_logps(ref_model, data, rows, pad_token_id)[:2]
+
+    @torch.no_grad()
+    def evaluate():
+        """Mean loss and accuracy of the implicit reward (chosen above rejected) over the test pairs, each rank scoring its share."""
+        model.eval()
+        totals = torch.zeros(2, device=device)
+        for rows, valid in rank_micro_batches(len(test["prompt"]), rank, world_size, args.per_device_eval_batch_size):
+            chosen, rejected, lengths, _ = pair_logps(model, test, rows, pad_token_id)
+            loss, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, *reference_logps("test", test, rows), lengths, args)
+            totals += valid * torch.stack([loss.sum(), (chosen_rewards > rejected_rewards).sum()])
+        dist.all_reduce(totals)
+        model.train()
+        return {"eval/loss": totals[0].item() / len(test["prompt"]), "eval/accuracy": totals[1].item() / len(test["prompt"])}
+
+    # 6. training loop
+    model.train()
+    progress = tqdm(total=args.num_training_steps, initial=start_step, disable=rank != 0, desc="dpo")
+    window_start, window_tokens = time.time(), torch.zeros((), device=device)
+    for step in range(start_step, args.num_training_steps):
+        batch = global_batch(step, num_rows, args)
+
+        loss_sum, stats = torch.zeros((), device=device), torch.zeros(6, device=device)
+        for micro_step in range(args.gradient_accumulation_steps):
+            start = (micro_step * world_size + rank) * mb
+            micro = batch[start : start + mb]
+            chosen, rejected, lengths, tokens = pair_logps(model, train, micro, pad_token_id)
+            losses, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, *reference_logps("train", train, micro), lengths, args)
+            # ALGO LOGIC: the mean over the global batch of pairs, whatever the split (each part divided by its size)
+            loss = losses.sum() / args.batch_size
+            loss.backward()
+            loss_sum += loss.detach()
+            stats += torch.stack([chosen_rewards.sum(), rejected_rewards.sum(), (chosen_rewards > rejected_rewards).sum(),
+                                  (chosen_rewards - rejected_rewards).sum(), chosen.detach().sum(), rejected.detach().sum()]) / args.batch_size
+            window_tokens += tokens
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
+        optimizer.step()
+        lr = scheduler.get_last_lr()[0]  # the learning rate this step used
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        progress.update(1)
+
+        done = step + 1
+        eval_now = done == args.num_training_steps or (args.eval_every > 0 and done % args.eval_every == 0)
+        if done % args.log_every == 0 or done == args.num_training_steps or eval_now:
+            dist.all_reduce(loss_sum)  # each rank holds its share of the global mean: sum them
+            dist.all_reduce(stats)
+            dist.all_reduce(window_tokens)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            metrics = {"step": done, "episode": done * args.batch_size, "lr": lr, "loss": loss_sum.item(), "grad_norm": grad_norm.item(),
+                       "tokens_per_second": window_tokens.item() / (time.time() - window_start)}
+            metrics.update(zip(["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"], stats.tolist()))
+            if eval_now and test and test["prompt"]:
+                metrics.update(evaluate())
+            if rank == 0:
+                progress.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(metrics) + "\n")
+                if args.track:
+                    wandb.log(metrics, step=done)
+            window_start, window_tokens = time.time(), torch.zeros((), device=device)
+        if args.save_every > 0 and done % args.save_every == 0:
+            save_checkpoint(os.path.join(args.output_dir, "checkpoints", f"step_{done}"), model, optimizer, scheduler, done, rank)
+    progress.close()
+
+    # 7. save + cleanup
+    save_hf_model(model, tokenizer, args.output_dir, rank)
+    on_gpu = device.type == "cuda"  # peak memory of the busiest process: GPU allocations, or CPU resident set size
+    peak = torch.tensor(torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(f"saved {args.output_dir}; peak {'GPU' if on_gpu else 'CPU RSS'} memory per process {peak.item() / 2**30:.2f} GiB")
+        if args.track:
+            wandb.finish()
+    dist.barrier()  # no rank tears gloo/nccl down while another still communicates (gloo can abort at exit otherwise)
+    dist.destroy_process_group()
