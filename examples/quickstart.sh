@@ -1,20 +1,32 @@
 #!/usr/bin/env bash
-# The pipeline on the offline toy task, on CPU, in minutes: toy task -> SFT (reward, DPO, PPO, GRPO stages to come).
+# The pipeline on the offline toy task, on CPU, in minutes: toy task -> SFT -> reward model, and DPO on pairs made from
+# the SFT model's own mistakes (PPO and GRPO stages to come).
 #   bash examples/quickstart.sh            # NPROC=1 for one process, OUT=... for another output folder
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/quickstart}
 NPROC=${NPROC:-2}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
+MB=$((32 / NPROC))  # global batch 32 whatever the number of processes
+run() { torchrun --standalone --nproc_per_node "$NPROC" "$@"; }
+exact_match() { python examples/toy_task.py --eval "$1" --data toy/prompts/test.jsonl | tail -n 1 | cut -d' ' -f2; }
+last_metric() { python -c "import json, sys; print(f\"{json.loads(open(sys.argv[1]).readlines()[-1])[sys.argv[2]]:.4f}\")" "$1/metrics.jsonl" "$2"; }
 
 python examples/toy_task.py --out toy
 start=$(date +%s)
-torchrun --standalone --nproc_per_node "$NPROC" sft.py --model_name_or_path toy/model --dataset_name toy/sft \
-    --output_dir "$OUT/sft" --learning_rate 2e-3 --max_steps 300 --warmup_ratio 0.05 --lr_scheduler_type cosine \
-    --per_device_train_batch_size $((32 / NPROC)) --log_every 50
-sft_seconds=$(( $(date +%s) - start ))
+run sft.py --model_name_or_path toy/model --dataset_name toy/sft --output_dir "$OUT/sft" --learning_rate 2e-3 \
+    --max_steps 300 --warmup_ratio 0.05 --lr_scheduler_type cosine --per_device_train_batch_size $MB --log_every 50
+sft_seconds=$(( $(date +%s) - start )); start=$(date +%s)
+run reward.py --model_name_or_path "$OUT/sft" --dataset_name toy/preference --output_dir "$OUT/reward" --learning_rate 1e-3 \
+    --max_steps 125 --warmup_ratio 0.05 --lr_scheduler_type cosine --per_device_train_batch_size $MB --log_every 25
+reward_seconds=$(( $(date +%s) - start )); start=$(date +%s)
+python examples/toy_task.py --mistakes_of "$OUT/sft" --data toy/prompts --out "$OUT/pairs"
+run dpo.py --model_name_or_path "$OUT/sft" --dataset_name "$OUT/pairs" --output_dir "$OUT/dpo" --learning_rate 1e-4 --beta 0.1 \
+    --rpo_alpha 1.0 --num_train_epochs 1 --warmup_ratio 0.05 --lr_scheduler_type cosine --per_device_train_batch_size $MB --log_every 20
+dpo_seconds=$(( $(date +%s) - start ))
 
-untrained=$(python examples/toy_task.py --eval toy/model --data toy/prompts/test.jsonl | tail -n 1 | cut -d' ' -f2)
-sft=$(python examples/toy_task.py --eval "$OUT/sft" --data toy/prompts/test.jsonl | tail -n 1 | cut -d' ' -f2)
-printf '\n| stage | exact match on toy test prompts | wall time |\n|---|---|---|\n'
-printf '| untrained | %s | |\n| SFT | %s | %ss |\n' "$untrained" "$sft" "$sft_seconds"
+printf '\n| stage | exact match on toy test prompts | reward model: test pair accuracy | wall time |\n|---|---|---|---|\n'
+printf '| untrained | %s | | |\n' "$(exact_match toy/model)"
+printf '| SFT | %s | | %ss |\n' "$(exact_match "$OUT/sft")" "$sft_seconds"
+printf '| reward model | | %s | %ss |\n' "$(last_metric "$OUT/reward" eval/accuracy)" "$reward_seconds"
+printf '| DPO (+RPO, on-policy pairs) | %s | | %ss (pairs + training) |\n' "$(exact_match "$OUT/dpo")" "$dpo_seconds"
