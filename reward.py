@@ -148,12 +148,13 @@ def load_split(name, split):
         raise
 
 
-def global_batch(step, num_rows, args):
-    """Row indices of the global batch of optimizer step `step`: the same on every rank and a function of the step
-    alone, so a resumed run sees the same data. Reshuffled every epoch; each epoch leaves its remainder rows out."""
-    epoch, position = divmod(step, num_rows // args.batch_size)
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(args.seed * 100_003 + epoch))
-    return order[position * args.batch_size : (position + 1) * args.batch_size].tolist()
+def global_batch(step, num_rows, batch_size, seed):
+    """Row indices of global batch number `step` (of an optimizer step; of a rollout in RL scripts): the same on every
+    rank and a function of the step alone, so a resumed run sees the same data. Reshuffled every epoch; each epoch
+    leaves its remainder rows out."""
+    epoch, position = divmod(step, num_rows // batch_size)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return order[position * batch_size : (position + 1) * batch_size].tolist()
 
 
 def rank_micro_batches(num_rows, rank, world_size, size):
@@ -439,7 +440,7 @@ if __name__ == "__main__":
     progress = tqdm(total=args.num_training_steps, initial=start_step, disable=rank != 0, desc="reward")
     window_start, window_tokens = time.time(), torch.zeros((), device=device)
     for step in range(start_step, args.num_training_steps):
-        batch = global_batch(step, num_rows, args)
+        batch = global_batch(step, num_rows, args.batch_size, args.seed)
 
         loss_sum, stats = torch.zeros((), device=device), torch.zeros(4, device=device)
         for micro_step in range(args.gradient_accumulation_steps):

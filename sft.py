@@ -143,12 +143,13 @@ def load_split(name, split):
         raise
 
 
-def global_batch(step, num_rows, args):
-    """Row indices of the global batch of optimizer step `step`: the same on every rank and a function of the step
-    alone, so a resumed run sees the same data. Reshuffled every epoch; each epoch leaves its remainder rows out."""
-    epoch, position = divmod(step, num_rows // args.batch_size)
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(args.seed * 100_003 + epoch))
-    return order[position * args.batch_size : (position + 1) * args.batch_size].tolist()
+def global_batch(step, num_rows, batch_size, seed):
+    """Row indices of global batch number `step` (of an optimizer step; of a rollout in RL scripts): the same on every
+    rank and a function of the step alone, so a resumed run sees the same data. Reshuffled every epoch; each epoch
+    leaves its remainder rows out."""
+    epoch, position = divmod(step, num_rows // batch_size)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return order[position * batch_size : (position + 1) * batch_size].tolist()
 
 
 def rank_micro_batches(num_rows, rank, world_size, size):
@@ -197,15 +198,21 @@ def make_batch(prompts, completions, pad_token_id):
     return input_ids, torch.cat([pad(ones[0], 0, "left"), completion_mask], 1), completion_mask
 
 
-def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0):
-    """Log-probabilities of the last `completion_width` tokens, from logits / temperature."""
+def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
+    """Log-probabilities of the last `completion_width` tokens, from logits / temperature; with_entropy: also the
+    entropy of each of those next-token distributions (detached: a statistic, not a loss term)."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                    logits_to_keep=completion_width + 1).logits[:, :-1]  # logits at t predict token t + 1
     logits = logits.float() / temperature
     labels = input_ids[:, -completion_width:]
     # log_softmax at the label without materialising it over the vocabulary: logit - logsumexp
-    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    logsumexp = logits.logsumexp(-1)
+    logprobs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logsumexp
+    if not with_entropy:
+        return logprobs
+    with torch.no_grad():  # H = logsumexp - sum(p * logits)
+        return logprobs, logsumexp - (logits.softmax(-1) * logits).sum(-1)
 
 
 def shard_model(model, args, device):
@@ -399,7 +406,7 @@ if __name__ == "__main__":
     progress = tqdm(total=args.num_training_steps, initial=start_step, disable=rank != 0, desc="sft")
     window_start, window_tokens = time.time(), torch.zeros((), device=device)
     for step in range(start_step, args.num_training_steps):
-        batch = global_batch(step, len(train_prompts), args)
+        batch = global_batch(step, len(train_prompts), args.batch_size, args.seed)
         num_tokens = sum(len(train_completions[i]) for i in batch)  # over the whole global batch, not this rank's
 
         loss_sum = torch.zeros((), device=device)

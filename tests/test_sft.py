@@ -95,12 +95,9 @@ def test_rank_micro_batches_cover_every_row_once_with_equal_counts_per_rank():
 
 
 def test_global_batch_is_a_function_of_the_step_and_reshuffles_each_epoch():
-    class A:
-        seed, batch_size = 3, 4
-
-    epoch0 = [global_batch(step, 10, A) for step in range(2)]  # 10 rows, batches of 4: 2 steps per epoch, 2 rows left out
-    assert len(set(epoch0[0] + epoch0[1])) == 8 and global_batch(1, 10, A) == epoch0[1]
-    assert [global_batch(step, 10, A) for step in (2, 3)] != epoch0
+    epoch0 = [global_batch(step, 10, 4, 3) for step in range(2)]  # 10 rows, batches of 4: 2 steps per epoch, 2 rows left out
+    assert len(set(epoch0[0] + epoch0[1])) == 8 and global_batch(1, 10, 4, 3) == epoch0[1]
+    assert [global_batch(step, 10, 4, 3) for step in (2, 3)] != epoch0
 
 
 # ---------------------------------------------------------------------------------------------- the script itself
