@@ -1,0 +1,324 @@
+"""grpo.py: KL estimators against exact expectations on categorical distributions, the loss types and the clipped
+surrogate against hand-computed cases, advantages, verifiers on real GSM8K solutions, generation (the distribution
+sampled from, left padding, EOS, parameters gathered once), and the script run the way users run it."""
+
+import json
+import os
+import shutil
+import statistics
+from decimal import Decimal
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import ROOT, read_metrics, run_script, tiny_gpt2
+from grpo import (completion_logprobs, generate_completions, grpo_loss, group_advantages, kl_estimate, loss_normaliser, make_batch,
+                  parse_answer, shard_model, unsharded, verifier_reward)
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
+
+GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
+
+
+def loss_args(**kw):
+    return SimpleNamespace(**{"epsilon": 0.2, "epsilon_high": 0.28, "beta": 0.0, "kl_estimator": "k3", "loss_type": "token",
+                              "max_completion_length": 4, **kw})
+
+
+# ---------------------------------------------------------------------------------------------- KL estimators
+def estimator_expectations(sampler):
+    """Value and gradient (w.r.t. the policy logits) of E_{x ~ sampler}[estimator(x)] for each estimator, computed
+    exactly as a sum over the 6 outcomes, and from 400k samples; plus the exact KL(pi || ref), KL(ref || pi) and their
+    gradients. sampler: "policy" (on-policy) or "old" (an older policy, as with num_iterations > 1)."""
+    g = torch.Generator().manual_seed(0)
+    theta = torch.randn(6, generator=g).requires_grad_()
+    ref = torch.log_softmax(torch.randn(6, generator=g), -1)
+    logp = torch.log_softmax(theta, -1)
+    old = torch.log_softmax(theta.detach() + 0.7 * torch.randn(6, generator=g), -1) if sampler == "old" else logp.detach()
+    exact = {"kl": (logp.exp() * (logp - ref)).sum(), "reverse_kl": (ref.exp() * (ref - logp)).sum()}
+    exact = {k: (v.item(), torch.autograd.grad(v, theta, retain_graph=True)[0]) for k, v in exact.items()}
+    samples = torch.multinomial(old.exp(), 400_000, replacement=True, generator=g)
+    expected, sampled = {}, {}
+    for kind in ("k1", "k2", "k3", "k1_ratio"):
+        per_outcome = kl_estimate(logp, ref, old, kind)
+        value = (old.exp() * per_outcome).sum()  # sum_x s(x) f(x): the expectation, no sampling noise
+        expected[kind] = (value.item(), torch.autograd.grad(value, theta, retain_graph=True)[0])
+        mean = per_outcome[samples].mean()
+        sampled[kind] = (mean.item(), torch.autograd.grad(mean, theta, retain_graph=True)[0])
+    return exact, expected, sampled
+
+
+def assert_samples_agree(expected, sampled):
+    """The same conclusions from 400k samples: each sample mean (value and gradient) is within 0.01 of its expectation."""
+    for kind in expected:
+        assert abs(sampled[kind][0] - expected[kind][0]) < 0.01, kind
+        assert (sampled[kind][1] - expected[kind][1]).abs().max() < 0.01, kind
+
+
+def test_kl_estimators_on_policy():
+    exact, expected, sampled = estimator_expectations("policy")
+    (kl, kl_grad), (_, reverse_grad) = exact["kl"], exact["reverse_kl"]
+    assert kl > 0.3 and kl_grad.norm() > 0.3  # a KL and a gradient large enough for the biases below to show
+    close = lambda a, b: torch.allclose(torch.as_tensor(a), torch.as_tensor(b), atol=1e-6)
+    # unbiased in value: k1, k3 (and k1_ratio, which is k1 on-policy); k2 is not
+    assert close(expected["k1"][0], kl) and close(expected["k3"][0], kl) and close(expected["k1_ratio"][0], kl)
+    assert abs(expected["k2"][0] - kl) > 0.02
+    # unbiased in gradient: k2 and k1_ratio; k1's expected gradient is 0, k3's is the gradient of KL(ref || pi)
+    assert close(expected["k2"][1], kl_grad) and close(expected["k1_ratio"][1], kl_grad)
+    assert close(expected["k1"][1], torch.zeros(6)) and close(expected["k3"][1], reverse_grad)
+    assert (reverse_grad - kl_grad).norm() > 0.1
+    assert_samples_agree(expected, sampled)
+
+
+def test_kl_estimators_off_policy():
+    """Tokens sampled by an older policy (num_iterations > 1): only the importance-weighted k1 keeps both the value
+    and the gradient of KL(pi || ref)."""
+    exact, expected, sampled = estimator_expectations("old")
+    (kl, kl_grad) = exact["kl"]
+    assert torch.allclose(torch.tensor(expected["k1_ratio"][0]), torch.tensor(kl), atol=1e-6)
+    assert torch.allclose(expected["k1_ratio"][1], kl_grad, atol=1e-6)
+    assert abs(expected["k1"][0] - kl) > 0.05 and abs(expected["k3"][0] - kl) > 0.05
+    assert (expected["k2"][1] - kl_grad).norm() > 0.05
+    assert_samples_agree(expected, sampled)
+
+
+# ---------------------------------------------------------------------------------------------- the loss
+def test_loss_types_by_hand_with_unequal_lengths():
+    """Two completions of 3 and 1 tokens, ratio 1, advantages +1 and -2: the per-token losses are -1, -1, -1 and +2."""
+    logps = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.tensor([[1.0, 1, 1], [1, 0, 0]])
+    advantages = torch.tensor([1.0, -2.0])
+    expected = {"token": (-3 + 2) / 4, "sequence": (-3 / 3 + 2 / 1) / 2, "constant": (-3 + 2) / (2 * 4)}
+    for loss_type, value in expected.items():
+        args = loss_args(loss_type=loss_type)
+        loss, ratio, _ = grpo_loss(logps, logps.detach(), None, advantages, mask, loss_normaliser(mask, args), args)
+        assert loss.item() == pytest.approx(value), loss_type
+        assert torch.equal(ratio, torch.ones(2, 3))
+        # split into two micro-batches, each divided by the normaliser of the whole batch: the same loss
+        parts = [grpo_loss(logps[i : i + 1], logps[i : i + 1].detach(), None, advantages[i : i + 1], mask[i : i + 1],
+                           loss_normaliser(mask, args), args)[0] for i in range(2)]
+        assert sum(parts).item() == pytest.approx(value), loss_type
+    # with the KL term: d = log 2 everywhere, so k3 = 1/2 - 1 + log 2 on each of the 4 tokens in the loss
+    args = loss_args(beta=0.1)
+    loss, _, _ = grpo_loss(logps, logps.detach(), logps.detach() - torch.log(torch.tensor(2.0)), advantages, mask, 4, args)
+    assert loss.item() == pytest.approx(-0.25 + 0.1 * (0.5 - 1 + 0.6931471805599453))
+
+
+def test_clipped_surrogate_by_hand():
+    """epsilon 0.2, epsilon_high 0.28: a clipped token has no gradient; the surrogate is the pessimistic one."""
+    ratio = torch.tensor([[1.5, 1.1, 0.5, 1.5]])
+    old = torch.zeros(1, 4)
+    logps = torch.log(ratio).requires_grad_()
+    advantages_per_token = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    losses = []
+    for j in range(4):  # one token at a time, so each advantage is the completion's
+        mask = torch.zeros(1, 4)
+        mask[0, j] = 1
+        loss, _, policy_loss = grpo_loss(logps, old, None, advantages_per_token[j : j + 1], mask, 1, loss_args())
+        (grad,) = torch.autograd.grad(loss, logps)
+        losses.append((loss.item(), grad[0, j].item()))
+    # A > 0, ratio 1.5 > 1.28: clipped to 1.28, no gradient; A > 0, ratio 1.1: -ratio, gradient -ratio (d ratio / d logp = ratio);
+    # A < 0, ratio 0.5 < 0.8: clipped to 0.8, no gradient; A < 0, ratio 1.5: not clipped (pessimistic), gradient +ratio
+    assert losses == [pytest.approx(v) for v in [(-1.28, 0.0), (-1.1, -1.1), (0.8, 0.0), (1.5, 1.5)]]
+
+
+def test_advantages_for_each_scale_rewards():
+    rewards = torch.tensor([1.0, 0, 0, 1, 2, 2, 2, 2, 0, 0, 0, 3])
+    groups = [[1, 0, 0, 1], [2, 2, 2, 2], [0, 0, 0, 3]]
+    centred = [r - statistics.mean(g) for g in groups for r in g]
+    group_std = [statistics.stdev(g) for g in groups for _ in g]
+    expected = {"group": [c / (s + 1e-4) for c, s in zip(centred, group_std)],
+                "batch": [c / (statistics.stdev(rewards.tolist()) + 1e-4) for c in centred], "none": centred}
+    for scale, values in expected.items():
+        advantages, zero_std = group_advantages(rewards, 4, scale)
+        assert advantages.tolist() == pytest.approx(values, abs=1e-6), scale
+        assert zero_std.tolist() == [False, True, False]
+    # equal rewards give exactly 0, even where the float mean is not exact (3 x 0.1 / 3 != 0.1)
+    advantages, zero_std = group_advantages(torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 0.5], dtype=torch.float64), 3, "group")
+    assert advantages[:3].tolist() == [0.0, 0.0, 0.0] and zero_std.tolist() == [True, False]
+
+
+# ---------------------------------------------------------------------------------------------- verifiers
+def test_verifiers_on_every_gsm8k_solution():
+    """All 1,319 real solutions: each scores 1 against itself and against its bare final number (gsm8k), its final
+    number read by an independent split on '####' (thousands separators and signs included), and a wrong final
+    number scores 0."""
+    rows = [json.loads(line) for line in open(GSM8K)]
+    assert len(rows) == 1319
+    finals = [row["answer"].split("####")[1].strip().replace(",", "") for row in rows]
+    assert sum("," in row["answer"].split("####")[1] for row in rows) == 14 and sum(f.startswith("-") for f in finals) == 2
+    for row, final in zip(rows, finals):
+        solution = row["answer"]
+        assert parse_answer(solution, "gsm8k") == Decimal(final) == parse_answer(solution, "last_number")
+        assert verifier_reward(solution, solution, "gsm8k") == 1.0
+        assert verifier_reward(solution, final, "gsm8k") == 1.0
+        assert verifier_reward(f"So the answer is {final}.", solution, "last_number") == 1.0
+        wrong = solution.rsplit("####", 1)[0] + f"#### {Decimal(final) + 1}"
+        assert verifier_reward(wrong, solution, "gsm8k") == 0.0 and verifier_reward(wrong, solution, "last_number") == 0.0
+
+
+def test_verifiers_by_hand():
+    assert verifier_reward(" 11345", "11345", "exact_match") == 1.0
+    assert verifier_reward(" 113455", "11345", "exact_match") == 0.0
+    assert verifier_reward("it costs $1,234.50 in total", "1234.5", "last_number") == 1.0
+    assert verifier_reward("3, 4, 5", "5", "last_number") == 1.0  # a list, not the number 3,4
+    assert verifier_reward("the result is -7", "-7", "last_number") == 1.0
+    assert verifier_reward("no number here", "0", "last_number") == 0.0
+    assert verifier_reward("#### 0", "0", "gsm8k") == 1.0  # 0 is a number, not a missing one
+    assert verifier_reward("The answer is 18", "18", "gsm8k") == 0.0  # gsm8k wants the '#### N' form
+    assert verifier_reward("#### $1,000", "1000", "gsm8k") == 1.0
+
+
+# ---------------------------------------------------------------------------------------------- generation
+def test_completion_logprobs_entropy():
+    model = tiny_gpt2()
+    input_ids, attention_mask, completion_mask = make_batch([[1, 2, 3, 4], [5]], [[6, 7, 8], [9]], pad_token_id=0)
+    with torch.no_grad():
+        logps, entropy = completion_logprobs(model, input_ids, attention_mask, 3, temperature=0.7, with_entropy=True)
+        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, -4:-1] / 0.7
+        log_p = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(entropy, -(log_p.exp() * log_p).sum(-1))
+    torch.testing.assert_close(logps, log_p.gather(-1, input_ids[:, -3:, None])[..., 0])
+
+
+def test_generation_samples_from_logits_over_temperature(toy, tmp_path):
+    """The model folder's generation_config.json asks for top_k 1, top_p 0.5, repetition_penalty 3 and at least 5
+    new tokens (HF generate fills every unset option from it, and defaults to top_k 50): the distribution sampled
+    from must still be softmax(logits / temperature), the one log-probs are computed from."""
+    folder = tmp_path / "model"
+    shutil.copytree(toy / "model", folder)
+    GenerationConfig(top_k=1, top_p=0.5, repetition_penalty=3.0, min_new_tokens=5, do_sample=True).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    prompts = [[70, 71, 72], [73, 74]]
+    original_generate, seen = model.generate, {}
+
+    def spy(**kwargs):  # the same call, also returning the raw and the processed logits of every step
+        out = original_generate(**kwargs, output_scores=True, output_logits=True, return_dict_in_generate=True)
+        seen.update(scores=torch.stack(out.scores, 1), logits=torch.stack(out.logits, 1))
+        return out.sequences
+
+    model.generate = spy
+    torch.manual_seed(0)
+    completions = generate_completions(model, prompts, 6, 0.7, eos_token_id=1, pad_token_id=0)
+    torch.testing.assert_close(seen["scores"], seen["logits"] / 0.7)
+    assert len(completions) == 2 and model.generation_config.top_k == 1  # the folder's config is back in place
+    # control: HF generate with the folder's defaults samples from another distribution
+    out = original_generate(input_ids=torch.tensor([[70, 71, 72]]), do_sample=True, temperature=0.7, max_new_tokens=6,
+                            output_scores=True, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    assert not torch.allclose(torch.stack(out.scores, 1), torch.stack(out.logits, 1) / 0.7)
+
+
+def test_generation_left_padding_and_eos():
+    """Greedy completions of left-padded prompts equal those of each prompt alone (absolute positions: GPT-2), and
+    each completion is cut after its first EOS."""
+    model = tiny_gpt2()
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11]]
+    alone = [generate_completions(model, [p], 8, None, eos_token_id=49, pad_token_id=0)[0] for p in prompts]
+    assert generate_completions(model, prompts, 8, None, eos_token_id=49, pad_token_id=0) == alone
+    assert all(len(c) == 8 for c in alone)  # 49 never comes: truncated, nothing cut
+    eos = alone[2][-1]  # make the last token of the third completion the EOS
+    cut = generate_completions(model, prompts, 8, None, eos_token_id=eos, pad_token_id=0)
+    for completion, full in zip(cut, alone):
+        assert completion == (full[: full.index(eos) + 1] if eos in full else full)
+    assert 1 < len(cut[2]) < 8 and any(len(c) == 8 for c in cut)  # cut after the first EOS, not the last; others whole
+
+
+def test_generation_gathers_parameters_once(toy):
+    """Inside `unsharded`, generating 8 tokens twice unshards each FSDP module once; without it, each layer once per
+    forward (control). The parameters are sharded again afterwards, and training works."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    original, gathers = FSDPParamGroup.unshard, []
+
+    def counting_unshard(self, async_op=False):
+        if not self.is_unsharded and self._all_gather_result is None:
+            gathers.append(self)
+        return original(self, async_op)
+
+    try:
+        FSDPParamGroup.unshard = counting_unshard
+        model = shard_model(AutoModelForCausalLM.from_pretrained(toy / "model"), SimpleNamespace(bf16=False, cpu_offload=False), torch.device("cpu"))
+        num_groups = 1 + model.config.num_hidden_layers
+        generate = lambda: generate_completions(model, [[70, 71, 72], [73]], 8, 1.0, eos_token_id=-1, pad_token_id=0)
+        with unsharded(model):
+            assert not any(isinstance(p, DTensor) for p in model.parameters())
+            completions = generate() + generate()
+        assert [len(c) for c in completions] == [8] * 4 and len(gathers) == num_groups
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        gathers.clear()
+        generate()
+        assert len(gathers) == 1 + (num_groups - 1) * 8  # control: each layer once per forward (FSDP2 keeps the root's)
+        # training still works after the block: a forward and backward with gradients on every parameter
+        ids = torch.tensor([[70, 71, 72, 73]])
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert all(p.grad is not None for p in model.parameters())
+    finally:
+        FSDPParamGroup.unshard = original
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- the script itself
+def grpo_args(model, data, out, *extra):
+    return ["--model_name_or_path", model, "--dataset_name", data, "--output_dir", out, "--max_completion_length", 12,
+            "--per_device_train_batch_size", 16, "--num_generations", 8, "--log_every", 1, *extra]
+
+
+def test_bad_input(toy, tmp_path):
+    (tmp_path / "no_prompt.jsonl").write_text('{"question": "sort: 21 ->", "answer": "12"}\n')
+    result = run_script("grpo.py", grpo_args(toy / "model", tmp_path / "no_prompt.jsonl", tmp_path / "a"))
+    assert result.returncode != 0 and "needs a 'prompt' column" in result.stderr
+    (tmp_path / "no_answer.jsonl").write_text('{"prompt": "sort: 21 ->"}\n')
+    result = run_script("grpo.py", grpo_args(toy / "model", tmp_path / "no_answer.jsonl", tmp_path / "b"))
+    assert result.returncode != 0 and "'answer' column for the verifier" in result.stderr
+    result = run_script("grpo.py", grpo_args(toy / "model", toy / "prompts", tmp_path / "c", "--num_mini_batches", 2, "--max_steps", 3))
+    assert result.returncode != 0 and "--max_steps must be a multiple of num_iterations x num_mini_batches = 2" in result.stderr
+    result = run_script("grpo.py", grpo_args(toy / "model", toy / "prompts", tmp_path / "d", "--num_generations", 3))
+    assert result.returncode != 0 and "whole groups of num_generations" in result.stderr
+    result = run_script("grpo.py", grpo_args(toy / "model", toy / "prompts", tmp_path / "e", "--reward_fn", "None"))
+    assert result.returncode != 0 and "no reward" in result.stderr
+
+
+def test_reward_model_scores(toy, tmp_path):
+    """A reward model folder whose head is zero and whose config.score_bias is 0.75 (reward.py's normalisation):
+    every completion scores exactly 0.75 x reward_model_weight, so every group has zero std and zero advantage."""
+    rm = AutoModelForSequenceClassification.from_pretrained(toy / "model", num_labels=1)
+    torch.nn.init.zeros_(rm.score.weight)
+    rm.config.score_bias = 0.75
+    rm.save_pretrained(tmp_path / "rm")
+    shutil.copy(toy / "model" / "tokenizer.json", tmp_path / "rm")
+    shutil.copy(toy / "model" / "tokenizer_config.json", tmp_path / "rm")
+    result = run_script("grpo.py", grpo_args(toy / "model", toy / "prompts", tmp_path / "out", "--reward_fn", "None", "--reward_model_path",
+                                             tmp_path / "rm", "--reward_model_weight", 2.0, "--max_steps", 2, "--per_device_eval_batch_size", 100))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
+    rows = read_metrics(tmp_path / "out")
+    assert [r["objective/scores"] for r in rows] == [1.5, 1.5] and [r["frac_reward_zero_std"] for r in rows] == [1.0, 1.0]
+    assert rows[-1]["eval/scores"] == 1.5 and rows[0]["loss/policy_avg"] == 0.0
+
+
+def test_grpo_raises_exact_match(toy, sft_model, tmp_path):
+    """From the toy SFT model, 2 processes, the exact-match verifier: greedy exact match on the test prompts rises
+    clearly; eval/scores (greedy, the same verifier) is that accuracy; the metric vocabulary is all there."""
+    from toy_task import exact_match
+
+    out = tmp_path / "grpo"
+    before = exact_match(str(sft_model[0]), str(toy / "prompts" / "test.jsonl"))
+    result = run_script("grpo.py", grpo_args(sft_model[0], toy / "prompts", out, "--learning_rate", 3e-5, "--max_steps", 100,
+                                             "--gradient_accumulation_steps", 4, "--warmup_ratio", 0.1, "--log_every", 10,
+                                             "--per_device_eval_batch_size", 100), nproc=2)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
+    after = exact_match(str(out), str(toy / "prompts" / "test.jsonl"))
+    print(f"greedy exact match: SFT {before:.3f} -> GRPO {after:.3f}")
+    assert after >= before + 0.03
+    rows = read_metrics(out)
+    assert rows[-1]["eval/scores"] == pytest.approx(after)
+    for key in ["loss", "lr", "grad_norm", "episode", "tokens_per_second", "objective/scores", "objective/kl", "objective/entropy",
+                "objective/rlhf_reward", "objective/non_score_reward", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg",
+                "val/ratio", "val/ratio_var", "val/num_eos_tokens", "completions/mean_length", "frac_reward_zero_std", "clip_ratio/low",
+                "clip_ratio/high"]:
+        assert key in rows[-1], key
+    # one iteration: the old policy is the current one, so the ratio is exactly 1 and nothing is clipped
+    assert all(r["val/ratio"] == 1.0 and r["val/ratio_var"] == 0.0 and r["policy/clipfrac_avg"] == 0.0 for r in rows)
+    assert "reward +" in result.stdout  # the sample table
