@@ -8,7 +8,7 @@ sequences, is --loss_type sequence; (2) outcome rewards only (one reward per com
 all equal gets exactly 0 advantage; (4) rollouts depend on the seed, the rollout and the generation chunk, not on the
 number of processes, so a run is reproducible on another number of GPUs and resumes bit for bit.
 Run:  torchrun --nproc_per_node 2 grpo.py --model_name_or_path runs/sft --dataset_name toy/prompts --output_dir runs/grpo \
-          --reward_fn exact_match --learning_rate 2e-5 --max_steps 200
+          --reward_fn exact_match --learning_rate 3e-5 --max_steps 100 --gradient_accumulation_steps 4 --max_completion_length 12
       torchrun --nproc_per_node 8 grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name gsm8k_prompts.jsonl \
           --reward_fn gsm8k --max_completion_length 512 --track
 """
