@@ -14,9 +14,11 @@ import torch
 import torch.distributed as dist
 from conftest import ROOT, read_metrics, run_script, tiny_gpt2
 from grpo import (completion_logprobs, generate_completions, grpo_loss, group_advantages, kl_estimate, loss_normaliser, make_batch,
-                  parse_answer, shard_model, unsharded, verifier_reward)
+                  parse_answer, shard_model, tokenize_prompts, unsharded, verifier_reward)
+from datasets import Dataset
+from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
 GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
 
@@ -260,6 +262,21 @@ def test_generation_gathers_parameters_once(toy):
         dist.destroy_process_group()
 
 
+# ---------------------------------------------------------------------------------------------- data
+def test_tokenize_prompts_formats_and_drops(toy):
+    """Standard and conversational prompts (rendered with the chat template and its generation prompt); empty and
+    over-long prompts dropped and counted; the answer column kept alongside."""
+    tokenizer = AutoTokenizer.from_pretrained(toy / "model")
+    messages = [{"role": "user", "content": "sort: 21 ->"}]
+    dataset = Dataset.from_dict({"prompt": ["sort: 21 ->", "", "sort: " + "9" * 40 + " ->"], "answer": ["12", "x", "y"]})
+    data, dropped = tokenize_prompts(dataset, tokenizer, SimpleNamespace(max_prompt_length=20, dataset_name="d"), "answer")
+    assert data == {"prompt": [tokenizer("sort: 21 ->")["input_ids"]], "answer": ["12"]}
+    assert dropped == {"empty prompt": 1, "prompt too long": 1}
+    conversational = Dataset.from_list([{"prompt": messages, "answer": "12"}])
+    data, _ = tokenize_prompts(conversational, tokenizer, SimpleNamespace(max_prompt_length=20, dataset_name="d"), "answer")
+    assert tokenizer.decode(data["prompt"][0]) == "<|user|>sort: 21 -><|assistant|>"
+
+
 # ---------------------------------------------------------------------------------------------- the script itself
 def grpo_args(model, data, out, *extra):
     return ["--model_name_or_path", model, "--dataset_name", data, "--output_dir", out, "--max_completion_length", 12,
@@ -279,6 +296,29 @@ def test_bad_input(toy, tmp_path):
     assert result.returncode != 0 and "whole groups of num_generations" in result.stderr
     result = run_script("grpo.py", grpo_args(toy / "model", toy / "prompts", tmp_path / "e", "--reward_fn", "None"))
     assert result.returncode != 0 and "no reward" in result.stderr
+
+
+def test_missing_eos_penalty_and_truncated_completions(toy, sft_model, tmp_path):
+    """max_completion_length 6 leaves room for the answers of up to 4 digits (space, digits, EOS): the others are
+    truncated. The same first rollout with --missing_eos_penalty 1 scores lower by exactly the truncated fraction.
+    With 2 tokens every completion is truncated: --mask_truncated_completions leaves no token in the loss, so the
+    loss is 0 and the weights do not move."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(open(toy / "prompts" / "train.jsonl").readlines()[:64]))
+    runs = {}
+    for name, extra in {"plain": ["--max_completion_length", 6], "penalty": ["--max_completion_length", 6, "--missing_eos_penalty", 1.0],
+                        "masked": ["--max_completion_length", 2, "--mask_truncated_completions", "--beta", 0.0]}.items():
+        out = tmp_path / name
+        result = run_script("grpo.py", grpo_args(sft_model[0], data, out, "--max_steps", 1, "--learning_rate", 1e-3, *extra))
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
+        runs[name] = read_metrics(out)[0]
+    plain, penalty, masked = runs["plain"], runs["penalty"], runs["masked"]
+    truncated = plain["completions/clipped_ratio"]
+    assert 0 < truncated < 1 and penalty["completions/clipped_ratio"] == truncated
+    assert penalty["objective/scores"] == pytest.approx(plain["objective/scores"] - truncated)
+    assert masked["completions/clipped_ratio"] == 1.0 and masked["val/num_eos_tokens"] == 0 and masked["loss"] == 0.0
+    before, after = load_file(sft_model[0] / "model.safetensors"), load_file(tmp_path / "masked" / "model.safetensors")
+    assert all(torch.equal(before[name], after[name]) for name in after)
 
 
 def test_reward_model_scores(toy, tmp_path):
