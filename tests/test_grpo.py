@@ -277,6 +277,17 @@ def test_tokenize_prompts_formats_and_drops(toy):
     assert tokenizer.decode(data["prompt"][0]) == "<|user|>sort: 21 -><|assistant|>"
 
 
+def test_gsm8k_rows_become_prompts_with_the_readme_mapping(toy):
+    """The README's mapping of GSM8K rows (question, answer) to conversational prompts, on the real test split."""
+    import datasets
+
+    gsm8k = datasets.load_dataset("json", data_files=GSM8K, split="train")
+    prompts = gsm8k.map(lambda r: {"prompt": [{"role": "user", "content": r["question"] + "\nGive the final answer after '####'."}]})
+    data, dropped = tokenize_prompts(prompts, AutoTokenizer.from_pretrained(toy / "model"), SimpleNamespace(max_prompt_length=2048, dataset_name="gsm8k"), "answer")
+    assert len(data["prompt"]) == 1319 and dropped == {"empty prompt": 0, "prompt too long": 0}
+    assert all(verifier_reward(answer, answer, "gsm8k") == 1.0 for answer in data["answer"])
+
+
 # ---------------------------------------------------------------------------------------------- the script itself
 def grpo_args(model, data, out, *extra):
     return ["--model_name_or_path", model, "--dataset_name", data, "--output_dir", out, "--max_completion_length", 12,
@@ -319,6 +330,19 @@ def test_missing_eos_penalty_and_truncated_completions(toy, sft_model, tmp_path)
     assert masked["completions/clipped_ratio"] == 1.0 and masked["val/num_eos_tokens"] == 0 and masked["loss"] == 0.0
     before, after = load_file(sft_model[0] / "model.safetensors"), load_file(tmp_path / "masked" / "model.safetensors")
     assert all(torch.equal(before[name], after[name]) for name in after)
+
+
+def test_conversational_prompts_gradient_checkpointing_and_tracking(toy, sft_model, tmp_path):
+    """Prompts as message lists, --gradient_checkpointing (generation must still run in eval mode, with its KV cache)
+    and --track (wandb offline, with the sample table) on one run."""
+    rows = [json.loads(line) for line in open(toy / "prompts" / "train.jsonl")][:32]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}) + "\n" for r in rows))
+    result = run_script("grpo.py", grpo_args(sft_model[0], data, tmp_path / "out", "--max_steps", 2, "--gradient_checkpointing", "--track"),
+                        env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
+    assert "'<|user|>sort: " in result.stdout and "<|assistant|>' -> " in result.stdout  # the chat template in the sample table
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")) and len(read_metrics(tmp_path / "out")) == 2
 
 
 def test_reward_model_scores(toy, tmp_path):
