@@ -59,3 +59,15 @@ def reference_logprobs(model, prompt, completion, temperature=1.0):
     ids = torch.tensor([prompt + completion])
     logits = model(ids).logits[0, len(prompt) - 1 : -1] / temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+@pytest.fixture(scope="session")
+def reward_model(sft_model, tmp_path_factory, toy):
+    """The toy reward model: 125 steps from the SFT model on toy/preference, 2 processes (about 30 s). test_reward
+    checks the run; ppo.py scores with it and starts its value model from it. Returns the folder and the process."""
+    out = tmp_path_factory.mktemp("reward")
+    result = run_script("reward.py", ["--model_name_or_path", sft_model[0], "--dataset_name", toy / "preference", "--output_dir", out,
+                                      "--learning_rate", 1e-3, "--max_steps", 125, "--warmup_ratio", 0.05, "--lr_scheduler_type", "cosine",
+                                      "--per_device_train_batch_size", 16, "--log_every", 25], nproc=2)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
+    return out, result
