@@ -1,7 +1,7 @@
-"""The training-loop invariants of DESIGN.md, for every script (sft.py, reward.py, dpo.py, grpo.py): the same global
-batch split four ways gives the same losses and weights; the LR schedule is exact and ends at the last optimizer step;
-a run resumed from a checkpoint continues bit for bit. grpo.py samples its own data: its rollouts do not depend on the
-number of processes (generation chunks are seeded by rollout and chunk), so the same comparisons hold for it."""
+"""The training-loop invariants of DESIGN.md, for every script (sft.py, reward.py, dpo.py, grpo.py, ppo.py): the same
+global batch split four ways gives the same losses and weights; the LR schedule is exact and ends at the last optimizer
+step; a run resumed from a checkpoint continues bit for bit. grpo.py and ppo.py sample their own data: their rollouts do
+not depend on the number of processes (generation chunks are seeded by rollout and chunk), so the same comparisons hold."""
 
 import math
 
@@ -12,43 +12,47 @@ from safetensors.torch import load_file
 
 # Four ways to split the same global batch of 8: (processes, micro-batch, accumulation steps)
 SPLITS = [(1, 8, 1), (1, 2, 4), (2, 4, 1), (2, 1, 4)]
-DATA = {"sft.py": "sft", "reward.py": "preference", "dpo.py": "preference", "grpo.py": "prompts"}
+DATA = {"sft.py": "sft", "reward.py": "preference", "dpo.py": "preference", "grpo.py": "prompts", "ppo.py": "prompts"}
 # grpo.py: rollouts of 4 prompts x 4 generations = 16 completions, 3 iterations x 2 mini-batches of 8 = 6 optimizer steps
 # each; 12 steps = 2 rollouts, and the checkpoint at step 6 falls between them. It starts from the toy SFT model, so
 # that exact-match rewards differ within groups and the policy moves.
 GRPO = ["--max_steps", 12, "--num_generations", 4, "--num_mini_batches", 2, "--num_iterations", 3, "--max_completion_length", 10,
         "--local_rollout_forward_batch_size", 4, "--beta", 0.04, "--kl_estimator", "k3"]
+# ppo.py: rollouts of 16 prompts, 3 epochs x 2 mini-batches of 8 = 6 optimizer steps each; scored by the toy reward model
+PPO = ["--max_steps", 12, "--num_ppo_epochs", 3, "--num_mini_batches", 2, "--max_completion_length", 10, "--local_rollout_forward_batch_size", 4]
+RL = {"grpo.py": GRPO, "ppo.py": PPO}
 UNTIMED = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_second" and not k.startswith("time/")} for r in rows]
 
 
 def common_args(script, model, data_file, out):
     """12 optimizer steps (2 epochs of 48 rows, global batch 8), TF Adam, warmup + cosine, a checkpoint at step 6."""
     return ["--model_name_or_path", model, "--dataset_name", data_file, "--output_dir", out, "--num_train_epochs", 2,
-            "--learning_rate", 3e-3 if script != "grpo.py" else 5e-4, "--warmup_ratio", 0.25, "--lr_scheduler_type", "cosine",
-            "--optimizer", "adam_tf", "--adam_epsilon", 1e-5, "--log_every", 1] + (GRPO if script == "grpo.py" else [])
+            "--learning_rate", 5e-4 if script in RL else 3e-3, "--warmup_ratio", 0.25, "--lr_scheduler_type", "cosine",
+            "--optimizer", "adam_tf", "--adam_epsilon", 1e-5, "--log_every", 1] + RL.get(script, [])
 
 
 @pytest.fixture(scope="module", params=list(DATA))
 def split_runs(request, toy, tmp_path_factory):
     """The same 12-step run of one script under each split."""
     script = request.param
-    model = request.getfixturevalue("sft_model")[0] if script == "grpo.py" else toy / "model"
+    model = request.getfixturevalue("sft_model")[0] if script in RL else toy / "model"
+    reward = ["--reward_model_path", request.getfixturevalue("reward_model")[0]] if script == "ppo.py" else []
     root = tmp_path_factory.mktemp(script[:-3])
     rows = open(toy / DATA[script] / "train.jsonl").readlines()[:48]
     (root / "small.jsonl").write_text("".join(rows))
     runs = {}
     for nproc, mb, ga in SPLITS:
         out = root / f"{nproc}x{mb}x{ga}"
-        args = common_args(script, model, root / "small.jsonl", out) + ["--per_device_train_batch_size", mb, "--gradient_accumulation_steps", ga, "--save_every", 6]
+        args = common_args(script, model, root / "small.jsonl", out) + reward + ["--per_device_train_batch_size", mb, "--gradient_accumulation_steps", ga, "--save_every", 6]
         result = run_script(script, args, nproc=nproc)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
         assert "no split 'test': eval skipped" in result.stdout
         runs[(nproc, mb, ga)] = out
-    return script, model, root, runs
+    return script, model, root, runs, reward
 
 
 def test_split_invariance(split_runs):
-    script, model, _, runs = split_runs
+    script, model, _, runs, _ = split_runs
     reference = runs[SPLITS[0]]
     ref_rows, ref_params = read_metrics(reference), load_file(reference / "model.safetensors")
     for split, out in runs.items():
@@ -61,7 +65,10 @@ def test_split_invariance(split_runs):
         moved = [abs(r.get("rewards/margins", 1.0)) > 1e-4 for r in ref_rows]
         for key in set(UNTIMED(ref_rows)[0]) - {"step", "episode", "lr", "loss"}:
             got, want = [r[key] for r, m in zip(rows, moved) if m or key != "rewards/accuracies"], [r[key] for r, m in zip(ref_rows, moved) if m or key != "rewards/accuracies"]
-            assert got == pytest.approx(want, rel=1e-4, abs=1e-6), (script, split, key)
+            # ppo's approxkl and ratio variance square differences of log-probs: float noise of 1e-6 in the log-probs
+            # of a policy that moved (approxkl 0.05) is 1e-4 relative there
+            rel = 1e-3 if key in ("policy/approxkl_avg", "val/ratio_var") else 1e-4
+            assert got == pytest.approx(want, rel=rel, abs=1e-6), (script, split, key)
         for name, value in params.items():
             torch.testing.assert_close(value, ref_params[name], atol=1e-5, rtol=1e-5, msg=f"{script} {split} {name}")
     # the runs did train: the weights moved far more than the tolerance, so the comparison is not between idle models
@@ -70,9 +77,9 @@ def test_split_invariance(split_runs):
 
 
 def test_lr_schedule_is_exact_for_every_split(split_runs):
-    script, _, _, runs = split_runs
-    # 2 epochs x 48 rows / 8 per step (grpo: 2 rollouts x 3 iterations x 2 mini-batches); ceil(0.25 x 12) warmup steps
-    total, warmup, peak = 12, 3, 3e-3 if script != "grpo.py" else 5e-4
+    script, _, _, runs, _ = split_runs
+    # 2 epochs x 48 rows / 8 per step (grpo, ppo: 2 rollouts x 3 iterations/epochs x 2 mini-batches); ceil(0.25 x 12) warmup steps
+    total, warmup, peak = 12, 3, 5e-4 if script in RL else 3e-3
     expected = [peak * k / warmup if k < warmup else peak * 0.5 * (1 + math.cos(math.pi * (k - warmup) / (total - warmup))) for k in range(total)]
     for split, out in runs.items():
         rows = read_metrics(out)
@@ -81,10 +88,10 @@ def test_lr_schedule_is_exact_for_every_split(split_runs):
 
 
 def test_resume_continues_the_same_run(split_runs):
-    script, model, root, runs = split_runs
+    script, model, root, runs, reward = split_runs
     straight = runs[(2, 4, 1)]
     resumed = root / "resumed"
-    args = common_args(script, model, root / "small.jsonl", resumed) + ["--per_device_train_batch_size", 4, "--resume_from", straight / "checkpoints" / "step_6"]
+    args = common_args(script, model, root / "small.jsonl", resumed) + reward + ["--per_device_train_batch_size", 4, "--resume_from", straight / "checkpoints" / "step_6"]
     result = run_script(script, args, nproc=2)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
     assert UNTIMED(read_metrics(resumed)) == UNTIMED(read_metrics(straight))[6:]  # steps 7..12, bit for bit

@@ -1,0 +1,748 @@
+"""Proximal Policy Optimization (PPO) for RLHF in one file: sample a completion for each prompt, score it with a reward
+model, penalise each token's KL to the reference model, and train the policy with PPO's clipped surrogate and a value
+model with a clipped value loss, on advantages from GAE. Papers: arXiv:1909.08593 (Ziegler et al., lm-human-preferences),
+arXiv:1707.06347 (PPO), arXiv:2403.17031 (the N+ implementation details of RLHF with PPO). What differs from those:
+(1) the loss is divided by the completion tokens of the whole global mini-batch, so the split into processes and
+micro-batches does not change the update; (2) rollouts are seeded by (seed, rollout, generation chunk), so a run samples
+the same completions on any number of processes and resumes bit for bit; (3) the value model is a separate model
+(initialised from the reward model), trained by the same optimizer.
+Run:  torchrun --nproc_per_node 2 ppo.py --model_name_or_path runs/sft --reward_model_path runs/reward \
+          --dataset_name toy/prompts --output_dir runs/ppo --max_completion_length 12 --optimizer adam_tf --adam_epsilon 1e-5
+      torchrun --nproc_per_node 8 ppo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --reward_model_path runs/reward_qwen \
+          --dataset_name trl-lib/tldr --max_completion_length 53 --optimizer adam_tf --adam_epsilon 1e-5 --track
+"""
+
+import contextlib
+import json
+import math
+import os
+import random
+import resource
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import datasets
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import tyro
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig, get_scheduler
+
+from adam_tf import AdamTF
+
+
+@dataclass
+class Args:
+    # common arguments: the same names and meaning in every script
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (wandb run names start with it)"""
+    seed: int = 1
+    """seed of the experiment (data order, initialisation, sampling)"""
+    track: bool = False
+    """log to Weights and Biases (`WANDB_MODE=offline` works)"""
+    wandb_project_name: str = "rlhf-scripts"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team)"""
+    output_dir: str = "runs/ppo"
+    """where the final Hugging Face model folder, checkpoints and metrics.jsonl are written"""
+    model_name_or_path: str = "runs/sft"
+    """a hub id or a local Hugging Face model folder: the SFT model the policy starts from (and the reference)"""
+    dataset_name: str = "toy/prompts"
+    """a hub id, a local .json/.jsonl/.parquet/.csv file (the train split) or a local folder of such files"""
+    dataset_train_split: str = "train"
+    """the split to train on"""
+    dataset_test_split: str = "test"
+    """the split to evaluate on (skipped, with a message, if the dataset has none)"""
+    max_steps: int = -1
+    """number of optimizer steps; -1: run `num_train_epochs` epochs"""
+    num_train_epochs: int = 1
+    """passes over the training prompts (used when max_steps is -1)"""
+    learning_rate: float = 1e-6
+    """peak learning rate"""
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    """learning rate schedule after warmup (transformers.get_scheduler), stepped once per optimizer step"""
+    warmup_ratio: float = 0.0
+    """fraction of the optimizer steps spent warming up linearly from 0"""
+    per_device_train_batch_size: int = 8
+    """micro-batch size: completions per process per forward/backward (HF name; `local_micro_batch_size`)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step on each process"""
+    per_device_eval_batch_size: int = 32
+    """test prompts per process per greedy generation in evaluation"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this value (0: no clipping, the norm is still logged)"""
+    optimizer: Literal["adamw", "adam_tf"] = "adamw"
+    """adamw: torch.optim.AdamW; adam_tf: TensorFlow-style Adam (epsilon hat), see adam_tf.py"""
+    adam_epsilon: float = 1e-8
+    """Adam's epsilon (lm-human-preferences used 1e-5 with adam_tf)"""
+    weight_decay: float = 0.0
+    """decoupled weight decay (adamw only)"""
+    bf16: bool = True
+    """bf16 mixed precision (parameters kept in fp32) on GPU; CPU runs always compute in fp32"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    cpu_offload: bool = False
+    """keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy)"""
+    log_every: int = 10
+    """print and log metrics every this many optimizer steps"""
+    eval_every: int = -1
+    """evaluate every this many optimizer steps (-1: only at the end)"""
+    save_every: int = -1
+    """write a resumable checkpoint every this many optimizer steps (-1: never)"""
+    resume_from: Optional[str] = None
+    """a checkpoint folder (output_dir/checkpoints/step_N) to continue the same run from"""
+    max_prompt_length: int = 512
+    """prompts longer than this (in tokens) are dropped, and counted in a message at start"""
+    max_completion_length: int = 256
+    """new tokens per completion; a completion with no EOS by then is truncated (see missing_eos_penalty)"""
+
+    # batch sizes: a rollout samples one completion for each of its prompts, then makes num_ppo_epochs passes over
+    # them, each pass num_mini_batches optimizer steps of batch_size completions
+    world_size: Optional[int] = None
+    """number of processes (computed)"""
+    local_batch_size: Optional[int] = None
+    """completions per process per optimizer step = per_device_train_batch_size x gradient_accumulation_steps (computed)"""
+    batch_size: Optional[int] = None
+    """global mini-batch: completions per optimizer step = local_batch_size x world_size (computed)"""
+    rollout_batch_size: Optional[int] = None
+    """prompts (and completions) per rollout = batch_size x num_mini_batches (computed)"""
+    num_training_steps: Optional[int] = None
+    """total optimizer steps = rollouts x num_ppo_epochs x num_mini_batches, fixed before training (computed)"""
+
+    # RL: rollouts and rewards
+    num_ppo_epochs: int = 4
+    """passes over each rollout"""
+    num_mini_batches: int = 1
+    """optimizer steps per pass over a rollout"""
+    local_rollout_forward_batch_size: int = 64
+    """completions per process per generation call and per forward pass without gradients in a rollout"""
+    temperature: float = 0.7
+    """sampling temperature; log-probs are computed from logits / temperature, the distribution sampled from"""
+    reward_model_path: str = "runs/reward"
+    """the reward model folder written by reward.py (same tokenizer as the policy)"""
+    value_model_path: Optional[str] = None
+    """the value model's starting point, a sequence-classification folder (default: the reward model)"""
+    stop_token: Optional[str] = None
+    """generation stops after the first of this token, which ends the completion (default: the EOS token)"""
+    missing_eos_penalty: float = 0.0
+    """subtracted from the score of a completion that did not end with the stop token within max_completion_length"""
+
+    # PPO
+    kl_coef: float = 0.05
+    """weight of the per-token KL penalty in the reward (the initial value when kl_target is set)"""
+    kl_estimator: Literal["k1", "k2", "k3", "k1_ratio"] = "k1"
+    """the per-token KL estimate in the reward (see kl_estimate; k1 = logp - logp_ref as in lm-human-preferences)"""
+    kl_target: Optional[float] = None
+    """adaptive KL controller (lm-human-preferences): steer kl_coef so that objective/kl approaches this; None: fixed"""
+    kl_horizon: int = 10000
+    """the adaptive controller's horizon in completions: how fast kl_coef moves"""
+    whiten_rewards: bool = False
+    """scale the per-token rewards to unit variance over the rollout before GAE (not centred)"""
+    gamma: float = 1.0
+    """discount factor"""
+    lam: float = 0.95
+    """GAE lambda"""
+    cliprange: float = 0.2
+    """clip range of the policy ratio pi / pi_old"""
+    cliprange_value: float = 0.2
+    """clip range of the value prediction around the rollout's value"""
+    vf_coef: float = 0.1
+    """weight of the value loss in the total loss"""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared helpers: pasted verbatim in every script that needs them (tests/test_consistency.py keeps them identical)
+# ---------------------------------------------------------------------------------------------------------------
+def init_distributed():
+    """torchrun sets RANK and WORLD_SIZE; plain `python script.py` is world size 1 on the same code path."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def load_split(name, split):
+    """A split of a hub dataset, a local dataset folder, or a local file (a single file is the train split).
+    Returns None when there is no such split."""
+    if os.path.isfile(name):
+        builder = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}[name.rsplit(".", 1)[-1]]
+        return datasets.load_dataset(builder, data_files=name, split="train") if split == "train" else None
+    if os.path.isfile(os.path.join(name, "dataset_dict.json")):  # a DatasetDict written by save_to_disk
+        dataset_dict = datasets.load_from_disk(name)
+        return dataset_dict[split] if split in dataset_dict else None
+    try:
+        return datasets.load_dataset(name, split=split)
+    except ValueError as e:
+        if "Unknown split" in str(e):
+            return None
+        raise
+
+
+def global_batch(step, num_rows, batch_size, seed):
+    """Row indices of global batch number `step` (of an optimizer step; of a rollout in RL scripts): the same on every
+    rank and a function of the step alone, so a resumed run sees the same data. Reshuffled every epoch; each epoch
+    leaves its remainder rows out."""
+    epoch, position = divmod(step, num_rows // batch_size)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return order[position * batch_size : (position + 1) * batch_size].tolist()
+
+
+def rank_micro_batches(num_rows, rank, world_size, size):
+    """This rank's share of rows 0..num_rows-1 in micro-batches of `size`, as many on every rank because each forward
+    of an FSDP model is a collective: a rank that has run out gets row 0 with valid=False, to be ignored."""
+    share = list(range(rank, num_rows, world_size))
+    for start in range(0, math.ceil(num_rows / world_size), size):
+        rows = share[start : start + size]
+        yield (rows, True) if rows else ([0], False)
+
+
+
+
+def pad(sequences, value, side):
+    """Pad lists of ints to one width, on the left or the right; returns a LongTensor."""
+    width = max(len(s) for s in sequences)
+    fill = [[value] * (width - len(s)) for s in sequences]
+    return torch.tensor([f + s if side == "left" else s + f for s, f in zip(sequences, fill)], dtype=torch.long)
+
+
+def make_batch(prompts, completions, pad_token_id):
+    """[left-padded prompts | right-padded completions]. Masks come from lengths, never from pad_token_id, so the
+    completion's EOS stays in the loss when pad == eos. Returns input_ids, attention_mask, completion_mask."""
+    ones = [[1] * len(s) for s in prompts], [[1] * len(s) for s in completions]
+    input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
+    completion_mask = pad(ones[1], 0, "right")
+    return input_ids, torch.cat([pad(ones[0], 0, "left"), completion_mask], 1), completion_mask
+
+
+def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
+    """Log-probabilities of the last `completion_width` tokens, from logits / temperature; with_entropy: also the
+    entropy of each of those next-token distributions (detached: a statistic, not a loss term)."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                   logits_to_keep=completion_width + 1).logits[:, :-1]  # logits at t predict token t + 1
+    logits = logits.float() / temperature
+    labels = input_ids[:, -completion_width:]
+    # log_softmax at the label without materialising it over the vocabulary: logit - logsumexp
+    logsumexp = logits.logsumexp(-1)
+    logprobs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logsumexp
+    if not with_entropy:
+        return logprobs
+    with torch.no_grad():  # H = logsumexp - sum(p * logits)
+        return logprobs, logsumexp - (logits.softmax(-1) * logits).sum(-1)
+
+
+def shard_model(model, args, device):
+    """FSDP2: each decoder layer, then the root (embeddings, final norm, head). Gradients are summed over ranks,
+    not averaged: every loss here is already divided by a count taken over the whole global batch."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    bf16 = args.bf16 and device.type == "cuda"
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
+    layer_classes = set(model._no_split_modules or [])  # HF's name for the decoder layer classes
+    for module in model.modules():
+        if type(module).__name__ in layer_classes:
+            fully_shard(module, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def make_optimizer(model, args):
+    if args.optimizer == "adam_tf":
+        return AdamTF(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
+    return torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon, weight_decay=args.weight_decay)
+
+
+def save_checkpoint(path, model, optimizer, scheduler, step, rank):
+    """Model and optimizer shards (torch.distributed.checkpoint), plus each rank's RNG and the loop position.
+    Written to `path.tmp` and renamed when every rank has finished, so a crash never leaves a half checkpoint."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=f"{path}.tmp")
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng}, f"{path}.tmp/rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)  # a run restarted into the same output_dir overwrites its old step
+        os.replace(f"{path}.tmp", path)
+    dist.barrier()
+
+
+def load_checkpoint(path, model, optimizer, scheduler, rank):
+    """Restore what save_checkpoint wrote (tensors and plain types only: weights_only) and return the step."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    extra = torch.load(f"{path}/rank{rank}.pt", weights_only=True)
+    scheduler.load_state_dict(extra["scheduler"])
+    torch.set_rng_state(extra["rng"]["torch"])
+    random.setstate(extra["rng"]["python"])
+    if "cuda" in extra["rng"]:
+        torch.cuda.set_rng_state(extra["rng"]["cuda"])
+    return extra["step"]
+
+
+def save_hf_model(model, tokenizer, output_dir, rank):
+    """Gather the full weights on rank 0 (a collective: every rank calls this) and write a Hugging Face folder."""
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    first_name = {}  # tied parameters (input embeddings = head) come back as copies: keep the first name only
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if first_name.setdefault(id(param), name) != name:
+            state_dict.pop(name, None)
+    if rank == 0:
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
+
+
+
+
+def disable_dropout(model):
+    """Dropout off: every dropout layer, and the attention dropout that HF models read from an attribute."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+
+
+def last_token_index(attention_mask):
+    """Column of the last real token of each row, from the mask alone: right for left or right padding, and when
+    pad == eos (HF's sequence classification takes the last token != pad_token_id, which skips an EOS equal to pad)."""
+    return (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(1)
+
+
+def sequence_scores(model, input_ids, attention_mask):
+    """Reward-model score of each row at its last real token, plus the config's `score_bias` (reward.py
+    --normalize_reward; HF's decoder classification heads have no bias parameter to hold it). HF applies the head at
+    every position and pools by pad_token_id; a hook keeps the head's output for all positions and we index it."""
+    outputs = []
+    hook = model.score.register_forward_hook(lambda module, inputs, output: outputs.append(output))
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    hook.remove()
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    return outputs[0][rows, last_token_index(attention_mask), 0].float() + getattr(model.config, "score_bias", 0.0)
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RL helpers (shared by ppo.py and grpo.py): prompts, and generation with the parameters gathered once per rollout
+# ---------------------------------------------------------------------------------------------------------------
+def tokenize_prompts(dataset, tokenizer, args, answer_column=None):
+    """Rows of `prompt` (a string, or a list of {"role", "content"} messages rendered with the chat template and its
+    generation prompt), plus an answer column for verifiers -> {"prompt": token ids, "answer": ...}. Empty and
+    over-long prompts are dropped and counted, never silently."""
+    columns = dataset.column_names
+    if "prompt" not in columns or (answer_column and answer_column not in columns):
+        raise ValueError(f"dataset {args.dataset_name!r} has columns {columns}, but needs a 'prompt' column (a string, or a "
+                         "list of {'role', 'content'} messages)" + (f" and an {answer_column!r} column for the verifier" if answer_column else ""))
+    answers = dataset[answer_column] if answer_column else [None] * len(dataset)
+    data, dropped = {"prompt": [], "answer": []}, {"empty prompt": 0, "prompt too long": 0}
+    for prompt, answer in zip(dataset["prompt"], answers):
+        if not prompt:
+            dropped["empty prompt"] += 1
+            continue
+        if isinstance(prompt, str):
+            ids = tokenizer(prompt)["input_ids"]
+        else:
+            ids = tokenizer(tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        if len(ids) > args.max_prompt_length:
+            dropped["prompt too long"] += 1
+        else:
+            data["prompt"].append(ids)
+            data["answer"].append(answer)
+    return data, dropped
+
+
+@contextlib.contextmanager
+def unsharded(model):
+    """Every FSDP2 parameter gathered once for the whole block and kept: generation runs one forward per new token, and
+    FSDP2 would otherwise all-gather every layer again for each one. No forward in the block is then a collective, so
+    ranks may generate different numbers of tokens."""
+    fsdp_modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for module in fsdp_modules:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in fsdp_modules:
+            module.set_reshard_after_forward(module is not model, recurse=False)  # FSDP2's default: the root keeps its own
+            module.reshard()
+
+
+@torch.no_grad()
+def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_id, pad_token_id):
+    """One completion per prompt (lists of token ids) with HF generate: sampled from softmax(logits / temperature), or
+    greedy if temperature is None. Each completion is cut after its first EOS; one without EOS is truncated."""
+    device = next(model.parameters()).device
+    input_ids, attention_mask = pad(prompts, pad_token_id, "left").to(device), pad([[1] * len(p) for p in prompts], 0, "left").to(device)
+    # Sample from exactly the distribution the log-probs are computed from: generate fills every option left unset
+    # from the model folder's generation_config (Qwen's sets top_k 20, top_p 0.8, repetition_penalty 1.05), and its
+    # global default top_k is 50, so swap in a blank config and turn top_k off.
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature is not None else {"do_sample": False}
+    config = GenerationConfig(**sampling, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    folder_config, model.generation_config, was_training = model.generation_config, GenerationConfig(), model.training
+    model.eval()  # gradient checkpointing acts in training mode only, and there it turns the KV cache off
+    try:  # position ids: generate derives them from the attention mask itself. synced_gpus: HF would all-reduce a
+        # "finished" flag after every token of an FSDP model; with the parameters gathered, ranks need not keep step
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config, synced_gpus=False)
+    finally:
+        model.generation_config = folder_config
+        model.train(was_training)
+    rows = output[:, input_ids.shape[1] :].tolist()
+    return [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
+
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PPO helpers: values, rewards, GAE, whitening, the loss (kl_estimate is also in grpo.py)
+# ---------------------------------------------------------------------------------------------------------------
+def token_values(model, input_ids, attention_mask, completion_width):
+    """The value model's V(s_t) for each of the last `completion_width` tokens: the head's output (plus the folder's
+    score_bias, so a value model copied from a reward model starts as its score) at the position before token t, the
+    state in which t was chosen (the last prompt token for the first one)."""
+    outputs = []
+    hook = model.score.register_forward_hook(lambda module, inputs, output: outputs.append(output))
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    hook.remove()
+    return outputs[0][:, -completion_width - 1 : -1, 0].float() + getattr(model.config, "score_bias", 0.0)
+
+
+def kl_estimate(logps, ref_logps, old_logps, kl_estimator):
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled by pi_old, with d = logp - logp_ref (Schulman,
+    http://joschu.net/blog/kl-approx.html). On-policy, k1 = d and k3 = exp(-d) - 1 + d (Eq. 4 of arXiv:2402.03300,
+    never negative) have the right expected value; k2 = d^2 / 2 has the right expected gradient, while k1's is 0 and
+    k3's is the gradient of KL(pi_ref || pi). k1_ratio = (pi / pi_old) d, importance-weighted, has the right value and
+    gradient also for samples from an older policy (num_iterations > 1)."""
+    d = logps - ref_logps
+    if kl_estimator == "k1":
+        return d
+    if kl_estimator == "k2":
+        return d**2 / 2
+    if kl_estimator == "k3":
+        return torch.exp(-d) - 1 + d
+    return torch.exp(logps - old_logps) * d
+
+
+def masked_mean(x, mask):
+    return (x * mask).sum() / mask.sum()
+
+
+def masked_whiten(x, mask, shift_mean=True):
+    """(x - mean) / std over the tokens in `mask`, with the biased variance, as TF's tf.nn.moments in
+    lm-human-preferences; shift_mean False adds the mean back (rewards are scaled, not centred)."""
+    mean = masked_mean(x, mask)
+    whitened = (x - mean) * torch.rsqrt(masked_mean((x - mean) ** 2, mask) + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def penalised_scores(scores, completions, stop_token_id, missing_eos_penalty):
+    """The reward model's scores, minus missing_eos_penalty for each completion that does not end with the stop token
+    (generation ran out of tokens first)."""
+    ended = torch.tensor([c[-1] == stop_token_id for c in completions], device=scores.device)
+    return scores - missing_eos_penalty * (~ended).float(), ended
+
+
+def token_rewards(scores, logps, ref_logps, mask, kl_coef, kl_estimator):
+    """Eq. 2 of arXiv:1909.08593 per token: -kl_coef x the KL estimate at every completion token, plus the score at the
+    last real token (from the mask: right when pad == eos). Returns the rewards and the KL estimates."""
+    kl = kl_estimate(logps, ref_logps, logps, kl_estimator) * mask
+    rewards = -kl_coef * kl
+    rewards[torch.arange(len(scores), device=scores.device), last_token_index(mask)] += scores
+    return rewards, kl
+
+
+def gae(rewards, values, mask, gamma, lam):
+    """Generalized advantage estimation (arXiv:1506.02438) over right-padded completions: rewards and values past the
+    end are 0, so the last real token bootstraps from 0. Returns the advantages and the returns (advantages + values)."""
+    rewards, values = rewards * mask, values * mask
+    advantages, last = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        next_values = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(last)
+        last = rewards[:, t] + gamma * next_values - values[:, t] + gamma * lam * last
+        advantages[:, t] = last
+    return advantages, advantages + values
+
+
+def adapt_kl_coef(kl_coef, kl, num_samples, args):
+    """lm-human-preferences' adaptive KL controller (Sec. 2.2 of arXiv:1909.08593): the error kl / target - 1,
+    clipped to +-0.2, moves kl_coef by a factor 1 + error x samples / horizon after each rollout."""
+    error = max(min(kl / args.kl_target - 1, 0.2), -0.2)
+    return kl_coef * (1 + error * num_samples / args.kl_horizon)
+
+
+def ppo_loss(logps, old_logps, values, old_values, advantages, returns, mask, normaliser, args):
+    """PPO's clipped policy loss (Eq. 7 of arXiv:1707.06347) + vf_coef x the clipped value loss, per token, summed over
+    the tokens in `mask` and divided by `normaliser` (the completion tokens of the global mini-batch). Returns the loss
+    and, per token, the ratio, the policy loss, the value loss and which of them were clipped."""
+    ratio = torch.exp(logps - old_logps)
+    policy_losses = -advantages * ratio, -advantages * ratio.clamp(1 - args.cliprange, 1 + args.cliprange)
+    values_clipped = old_values + (values - old_values).clamp(-args.cliprange_value, args.cliprange_value)
+    value_losses = (values - returns) ** 2, (values_clipped - returns) ** 2
+    policy_loss, value_loss = torch.max(*policy_losses), 0.5 * torch.max(*value_losses)
+    loss = ((policy_loss + args.vf_coef * value_loss) * mask).sum() / normaliser
+    return loss, ratio, policy_loss, value_loss, policy_losses[1] > policy_losses[0], value_losses[1] > value_losses[0]
+
+
+if __name__ == "__main__":
+    # 1. args, distributed init, derived batch sizes
+    args = tyro.cli(Args)
+    rank, world_size, device = init_distributed()
+    args.world_size = world_size
+    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    args.batch_size = args.local_batch_size * world_size
+    args.rollout_batch_size = args.batch_size * args.num_mini_batches
+    mb = args.per_device_train_batch_size
+    steps_per_rollout = args.num_ppo_epochs * args.num_mini_batches
+    if args.save_every > 0 and args.save_every % steps_per_rollout:
+        raise ValueError(f"--save_every must be a multiple of num_ppo_epochs x num_mini_batches = {steps_per_rollout}: "
+                         "checkpoints are taken between rollouts")
+
+    # 2. logging (rank 0), seeding
+    # TRY NOT TO MODIFY: seeding. Generation reseeds per chunk; the data order and mini-batches use their own generators.
+    random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    os.makedirs(args.output_dir, exist_ok=True)
+
+    # 3. data: every rank tokenises the same prompts, so each knows the whole rollout
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer of {args.model_name_or_path} has no eos_token: completions could never end")
+    stop_token_id = tokenizer.convert_tokens_to_ids(args.stop_token) if args.stop_token else tokenizer.eos_token_id
+    if stop_token_id is None or stop_token_id == tokenizer.unk_token_id:
+        raise ValueError(f"--stop_token {args.stop_token!r} is not one token of the tokenizer")
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train_dataset = load_split(args.dataset_name, args.dataset_train_split)
+    if train_dataset is None:
+        raise ValueError(f"dataset {args.dataset_name!r} has no split {args.dataset_train_split!r}")
+    train, dropped = tokenize_prompts(train_dataset, tokenizer, args)
+    eval_dataset = load_split(args.dataset_name, args.dataset_test_split)
+    test = tokenize_prompts(eval_dataset, tokenizer, args)[0] if eval_dataset else None
+    num_prompts = len(train["prompt"])
+    if rank == 0:
+        print(f"train: {num_prompts} of {len(train_dataset)} prompts kept; dropped: {dropped}")
+        print(f"eval: {len(test['prompt'])} prompts" if test else f"no split {args.dataset_test_split!r}: eval skipped")
+    rollouts_per_epoch = num_prompts // args.rollout_batch_size
+    if rollouts_per_epoch == 0:
+        raise ValueError(f"{num_prompts} training prompts cannot fill one rollout of {args.rollout_batch_size} prompts")
+    if args.max_steps > 0 and args.max_steps % steps_per_rollout:
+        raise ValueError(f"--max_steps must be a multiple of num_ppo_epochs x num_mini_batches = {steps_per_rollout} (optimizer steps per rollout)")
+    num_rollouts = args.max_steps // steps_per_rollout if args.max_steps > 0 else args.num_train_epochs * rollouts_per_epoch
+    args.num_training_steps = num_rollouts * steps_per_rollout
+    if rank == 0:
+        print(f"{num_rollouts} rollouts of {args.rollout_batch_size} prompts, each {args.num_ppo_epochs} epochs x {args.num_mini_batches} "
+              f"mini-batches of {args.batch_size} completions ({world_size} processes x {mb} per micro-batch x "
+              f"{args.gradient_accumulation_steps} accumulation) = {args.num_training_steps} optimizer steps")
+
+    # 4. models + FSDP2: the policy and the value model (trained), then the frozen reference and reward model
+    if AutoTokenizer.from_pretrained(args.reward_model_path).get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"the reward model {args.reward_model_path} has another tokenizer than the policy: this script feeds it the policy's token ids")
+    models = {}
+    for name, path, model_class in [("policy", args.model_name_or_path, AutoModelForCausalLM), ("value", args.value_model_path or args.reward_model_path, AutoModelForSequenceClassification),
+                                    ("ref", args.model_name_or_path, AutoModelForCausalLM), ("reward", args.reward_model_path, AutoModelForSequenceClassification)]:
+        models[name] = model_class.from_pretrained(path, dtype=torch.float32)
+        disable_dropout(models[name])  # log-probs and values of the same tokens must not change between rollout and update
+        if name in ("ref", "reward"):
+            models[name].requires_grad_(False).eval()
+        elif args.gradient_checkpointing:
+            models[name].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        models[name] = shard_model(models[name], args, device)
+    model, value_model, ref_model, reward_model = models["policy"], models["value"], models["ref"], models["reward"]
+    trained = torch.nn.ModuleDict({"policy": model, "value": value_model})  # one optimizer and one checkpoint for both
+
+    # 5. optimizer + lr schedule: the total is fixed now, and the scheduler steps once per optimizer step
+    optimizer = make_optimizer(trained, args)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * args.num_training_steps),
+                              num_training_steps=args.num_training_steps)
+    start_step = load_checkpoint(args.resume_from, trained, optimizer, scheduler, rank) if args.resume_from else 0
+    kl_coef = json.load(open(os.path.join(args.resume_from, "kl_coef.json")))["kl_coef"] if args.resume_from else args.kl_coef
+
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    if rank == 0:
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name, save_code=True)
+        # a resumed run continues the same file: rows logged after the checkpoint are replaced
+        old_rows = [json.loads(line) for line in open(metrics_path)] if start_step > 0 and os.path.exists(metrics_path) else []
+        with open(metrics_path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in old_rows if row["step"] <= start_step)
+
+    @torch.no_grad()
+    def evaluate():
+        """Mean reward-model score (missing-EOS penalty included) of greedy completions of the test prompts."""
+        total = torch.zeros((), device=device)
+        with unsharded(model):
+            for rows, valid in rank_micro_batches(len(test["prompt"]), rank, world_size, args.per_device_eval_batch_size):
+                prompts = [test["prompt"][i] for i in rows]
+                completions = generate_completions(model, prompts, args.max_completion_length, None, stop_token_id, pad_token_id)
+                input_ids, attention_mask, _ = [t.to(device) for t in make_batch(prompts, completions, pad_token_id)]
+                scores = penalised_scores(sequence_scores(reward_model, input_ids, attention_mask), completions, stop_token_id, args.missing_eos_penalty)[0]
+                total += valid * scores.sum()
+        dist.all_reduce(total)
+        return {"eval/scores": total.item() / len(test["prompt"])}
+
+    # 6. training loop: a rollout, then num_ppo_epochs x num_mini_batches optimizer steps on it
+    N, C, S = args.rollout_batch_size, args.max_completion_length, args.local_rollout_forward_batch_size
+    trained.train()
+    # what each rank sums over the micro-batches between two logs (one all-reduce at logging)
+    WINDOW = ["loss", "tokens", "processed", "seconds", "policy_loss", "value_loss", "approxkl", "clipfrac", "value_clipfrac",
+              "ratio", "ratio_sq", "entropy"]
+    progress = tqdm(total=args.num_training_steps, initial=start_step, disable=rank != 0, desc="ppo")
+    window_start, window, window_steps = time.time(), torch.zeros(len(WINDOW), device=device), 0
+    ratio_max, ratio_min = torch.full((), -math.inf, device=device), torch.full((), math.inf, device=device)
+    for rollout in range(start_step // steps_per_rollout, num_rollouts):
+        rollout_start = time.time()
+        # ALGO LOGIC: 1. the rollout's prompts
+        prompts = [train["prompt"][row] for row in global_batch(rollout, num_prompts, N, args.seed)]
+
+        # 2. sample the completions, parameters gathered once: chunks of S rows, round-robin over the ranks, each
+        # seeded by (seed, rollout, chunk), so the samples do not depend on the number of processes; the sum over ranks
+        # of the zero-initialised tables then gives every rank the whole rollout
+        completion_ids = torch.zeros(N, C, dtype=torch.long, device=device)
+        lengths = torch.zeros(N, dtype=torch.long, device=device)
+        with unsharded(model):
+            for chunk, start in enumerate(range(0, N, S)):
+                if chunk % world_size == rank:
+                    torch.manual_seed((args.seed * 100_003 + rollout) * 100_003 + chunk)
+                    chunk_completions = generate_completions(model, prompts[start : start + S], C, args.temperature, stop_token_id, pad_token_id)
+                    for i, completion in enumerate(chunk_completions, start):
+                        completion_ids[i, : len(completion)] = torch.tensor(completion)
+                        lengths[i] = len(completion)
+        dist.all_reduce(completion_ids)
+        dist.all_reduce(lengths)
+        completions = [completion_ids[i, :length].tolist() for i, length in enumerate(lengths.tolist())]
+
+        # 3. scores, the policy's and the reference's log-probs and the values of the sampled tokens, each rank its
+        # share, summed over ranks
+        scores = torch.zeros(N, device=device)
+        logps, ref_logps, values = (torch.zeros(N, C, device=device) for _ in range(3))
+        with torch.no_grad():
+            for rows, valid in rank_micro_batches(N, rank, world_size, S):
+                input_ids, attention_mask, completion_mask = [t.to(device) for t in make_batch([prompts[i] for i in rows], [completions[i] for i in rows], pad_token_id)]
+                width = completion_mask.shape[1]
+                scores[rows] += valid * sequence_scores(reward_model, input_ids, attention_mask)
+                logps[rows, :width] += valid * completion_logprobs(model, input_ids, attention_mask, width, args.temperature)
+                ref_logps[rows, :width] += valid * completion_logprobs(ref_model, input_ids, attention_mask, width, args.temperature)
+                values[rows, :width] += valid * token_values(value_model, input_ids, attention_mask, width)
+        for table in (scores, logps, ref_logps, values):
+            dist.all_reduce(table)
+
+        # 4. rewards: the KL penalty at every token, the (penalised) score at the last one; GAE; whitened advantages
+        mask = (torch.arange(C, device=device) < lengths[:, None]).float()
+        scores, ended = penalised_scores(scores, completions, stop_token_id, args.missing_eos_penalty)
+        rewards, kl = token_rewards(scores, logps, ref_logps, mask, kl_coef, args.kl_estimator)
+        if args.whiten_rewards:
+            rewards = masked_whiten(rewards, mask, shift_mean=False)
+        advantages, returns = gae(rewards, values, mask, args.gamma, args.lam)
+        advantages = masked_whiten(advantages, mask)
+        kl_k3 = (kl_estimate(logps, ref_logps, logps, "k3") * mask).sum(1).mean().item()
+        rollout_stats = {"objective/scores": scores.mean().item(), "objective/kl": kl_k3, "objective/kl_coef": kl_coef,
+                         "objective/non_score_reward": (-kl_coef * kl).sum(1).mean().item(), "completions/mean_length": lengths.float().mean().item(),
+                         "val/num_eos_tokens": ended.sum().item(), "time/rollout": time.time() - rollout_start}
+        rollout_stats["objective/rlhf_reward"] = rollout_stats["objective/scores"] + rollout_stats["objective/non_score_reward"]
+        samples = [[tokenizer.decode(prompts[i]), tokenizer.decode(completions[i]), scores[i].item()] for i in range(min(4, N))]
+        if args.kl_target is not None:  # for the next rollout
+            kl_coef = adapt_kl_coef(kl_coef, kl.sum(1).mean().item(), N, args)
+
+        # 5. num_ppo_epochs passes over the rollout, each in num_mini_batches optimizer steps
+        for epoch in range(args.num_ppo_epochs):
+            order = torch.randperm(N, generator=torch.Generator().manual_seed((args.seed * 100_003 + rollout) * 100_003 + epoch)).tolist()
+            for mini_batch in range(args.num_mini_batches):
+                update_start = time.time()
+                mini = order[mini_batch * args.batch_size : (mini_batch + 1) * args.batch_size]
+                normaliser = mask[mini].sum()  # the completion tokens of the whole global mini-batch
+                for micro_step in range(args.gradient_accumulation_steps):
+                    start = (micro_step * world_size + rank) * mb
+                    micro = mini[start : start + mb]
+                    input_ids, attention_mask, completion_mask = [t.to(device) for t in make_batch([prompts[i] for i in micro], [completions[i] for i in micro], pad_token_id)]
+                    width = completion_mask.shape[1]
+                    micro_mask, old = mask[micro, :width], logps[micro, :width]
+                    new_logps, entropy = completion_logprobs(model, input_ids, attention_mask, width, args.temperature, with_entropy=True)
+                    new_values = token_values(value_model, input_ids, attention_mask, width)
+                    loss, ratio, policy_loss, value_loss, clipped, value_clipped = ppo_loss(
+                        new_logps, old, new_values, values[micro, :width], advantages[micro, :width], returns[micro, :width], micro_mask, normaliser, args)
+                    loss.backward()
+                    with torch.no_grad():  # statistics: sums over the tokens in the loss, divided when logged
+                        token_stats = [policy_loss, value_loss, 0.5 * (new_logps - old) ** 2, clipped, value_clipped, ratio, ratio**2, entropy]
+                        window += torch.stack([loss.detach(), micro_mask.sum(), attention_mask.sum(), torch.zeros((), device=device)]
+                                              + [(x * micro_mask).sum() for x in token_stats])
+                        ratio_max = torch.maximum(ratio_max, ratio.masked_fill(micro_mask == 0, -math.inf).max())
+                        ratio_min = torch.minimum(ratio_min, ratio.masked_fill(micro_mask == 0, math.inf).min())
+                grad_norm = torch.nn.utils.clip_grad_norm_(trained.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
+                optimizer.step()
+                lr = scheduler.get_last_lr()[0]  # the learning rate this step used
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                progress.update(1)
+                window[WINDOW.index("seconds")] += time.time() - update_start  # this rank's seconds in updates
+                window_steps += 1
+
+                done = rollout * steps_per_rollout + epoch * args.num_mini_batches + mini_batch + 1
+                eval_now = done == args.num_training_steps or (args.eval_every > 0 and done % args.eval_every == 0)
+                if done % args.log_every == 0 or done == args.num_training_steps or eval_now:
+                    dist.all_reduce(window)
+                    dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
+                    dist.all_reduce(ratio_min, op=dist.ReduceOp.MIN)
+                    w = dict(zip(WINDOW, window.tolist()))
+                    tokens = max(w["tokens"], 1.0)
+                    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+                    metrics = {"step": done, "episode": (rollout + 1) * N, "lr": lr, "loss": w["loss"] / window_steps, "grad_norm": grad_norm.item(),
+                               "tokens_per_second": w["processed"] / (time.time() - window_start), **rollout_stats,
+                               "time/update": w["seconds"] / world_size / window_steps, "objective/entropy": w["entropy"] / tokens,
+                               "policy/approxkl_avg": w["approxkl"] / tokens, "policy/clipfrac_avg": w["clipfrac"] / tokens,
+                               "loss/policy_avg": w["policy_loss"] / tokens, "loss/value_avg": w["value_loss"] / tokens,
+                               "val/clipfrac_avg": w["value_clipfrac"] / tokens, "val/ratio": w["ratio"] / tokens,
+                               "val/ratio_var": w["ratio_sq"] / tokens - (w["ratio"] / tokens) ** 2, "val/ratio_max": ratio_max.item(), "val/ratio_min": ratio_min.item()}
+                    if eval_now and test and test["prompt"]:
+                        metrics.update(evaluate())
+                    if rank == 0:
+                        progress.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+                        progress.write("\n".join(f"  score {s:+.3f} | {p!r} -> {c!r}" for p, c, s in samples))
+                        with open(metrics_path, "a") as f:
+                            f.write(json.dumps(metrics) + "\n")
+                        if args.track:
+                            wandb.log({**metrics, "samples": wandb.Table(columns=["prompt", "completion", "score"], data=samples)}, step=done)
+                    window_start, window, window_steps = time.time(), torch.zeros(len(WINDOW), device=device), 0
+                    ratio_max, ratio_min = torch.full((), -math.inf, device=device), torch.full((), math.inf, device=device)
+                if args.save_every > 0 and done % args.save_every == 0:
+                    path = os.path.join(args.output_dir, "checkpoints", f"step_{done}")
+                    save_checkpoint(path, trained, optimizer, scheduler, done, rank)
+                    if rank == 0:  # the adaptive KL coefficient, for the next rollout
+                        json.dump({"kl_coef": kl_coef}, open(os.path.join(path, "kl_coef.json"), "w"))
+    progress.close()
+
+    # 7. save + cleanup: the policy (the value model is a training aid)
+    save_hf_model(model, tokenizer, args.output_dir, rank)
+    on_gpu = device.type == "cuda"  # peak memory of the busiest process: GPU allocations, or CPU resident set size
+    peak = torch.tensor(torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(f"saved {args.output_dir}; peak {'GPU' if on_gpu else 'CPU RSS'} memory per process {peak.item() / 2**30:.2f} GiB")
+        if args.track:
+            wandb.finish()
+    dist.barrier()  # no rank tears gloo/nccl down while another still communicates (gloo can abort at exit otherwise)
+    dist.destroy_process_group()
