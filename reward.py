@@ -2,8 +2,8 @@
 Paper: the reward model of InstructGPT (arXiv:2203.02155), after Christiano et al. (arXiv:1706.03741) and
 lm-human-preferences (arXiv:1909.08593). What differs from the paper: (1) one pair per prompt rather than all K-choose-2
 comparisons of K ranked completions; (2) an optional `margin` column, loss -log sigmoid(r_chosen - r_rejected - margin)
-(Llama 2, arXiv:2307.09288); (3) after training, the scores are normalised to mean 0 and std 1 on the training
-completions (lm-human-preferences used the policy's samples) and saved so in the model folder (--normalize_reward).
+(Llama 2, arXiv:2307.09288); (3) after training, the scores are shifted to mean 0 on the training completions and the
+shift is saved in the model folder (--normalize_reward), so ppo.py and grpo.py get centred rewards.
 Run:  torchrun --nproc_per_node 2 reward.py --model_name_or_path runs/sft --dataset_name toy/preference --output_dir runs/reward \
           --learning_rate 1e-4 --num_train_epochs 1
       torchrun --nproc_per_node 8 reward.py --model_name_or_path runs/sft --dataset_name trl-lib/ultrafeedback_binarized --track
@@ -112,8 +112,7 @@ class Args:
 
     # reward modelling
     normalize_reward: bool = True
-    """after training, scale and shift the scores to mean 0 and std 1 over the training completions (the shift saved as
-    config.score_bias)"""
+    """after training, shift the scores to mean 0 over the training completions (saved as config.score_bias)"""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -485,27 +484,20 @@ if __name__ == "__main__":
             save_checkpoint(os.path.join(args.output_dir, "checkpoints", f"step_{done}"), model, optimizer, scheduler, done, rank)
     progress.close()
 
-    # 7. save + cleanup. First normalise the scores (lm-human-preferences): mean 0 and std 1 over the training
-    # completions (chosen and rejected). The head is scaled and the shift saved as config.score_bias (sequence_scores
-    # adds it), so the RL scripts see rewards of a known scale from the first step (ppo.py's value clipping assumes it).
+    # 7. save + cleanup. First centre the scores: mean 0 over the training completions (chosen and rejected), the shift
+    # saved as config.score_bias (sequence_scores adds it), so the RL scripts see rewards around 0 from the first step.
     if args.normalize_reward:
         model.eval()
-        totals = torch.zeros(3, device=device)
+        totals = torch.zeros(2, device=device)
         with torch.no_grad():
             for rows, valid in rank_micro_batches(num_rows, rank, world_size, args.per_device_eval_batch_size):
-                scores = torch.cat(score_pairs(model, train, rows, pad_token_id)[:2])
-                totals += valid * torch.stack([scores.sum(), (scores**2).sum(), scores.new_tensor(float(len(scores)))])
+                chosen, rejected, _ = score_pairs(model, train, rows, pad_token_id)
+                totals += valid * torch.stack([chosen.sum() + rejected.sum(), chosen.new_tensor(2.0 * len(rows))])
         dist.all_reduce(totals)
-        mean = totals[0].item() / totals[2].item()
-        std = math.sqrt(max(totals[1].item() / totals[2].item() - mean**2, 0.0))
-        gain = 1.0 / std if std > 1e-6 else 1.0
-        model.reshard()  # FSDP2 leaves the root's parameters gathered after a forward: scale the sharded ones
-        with torch.no_grad():
-            model.score.weight.mul_(gain)  # every rank scales its shard
-        model.config.score_bias = (getattr(model.config, "score_bias", 0.0) - mean) * gain
+        mean = totals[0].item() / totals[1].item()
+        model.config.score_bias = getattr(model.config, "score_bias", 0.0) - mean
         if rank == 0:
-            print(f"normalize_reward: scores of {int(totals[2].item())} training completions had mean {mean:.4f}, std {std:.4f}; "
-                  f"head scaled by {gain:.4f}, score_bias now {model.config.score_bias:.4f}")
+            print(f"normalize_reward: mean score of {int(totals[1].item())} training completions was {mean:.4f}; score_bias now {model.config.score_bias:.4f}")
     save_hf_model(model, tokenizer, args.output_dir, rank)
     on_gpu = device.type == "cuda"  # peak memory of the busiest process: GPU allocations, or CPU resident set size
     peak = torch.tensor(torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0, device=device)

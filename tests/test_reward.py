@@ -1,9 +1,8 @@
 """reward.py: the Bradley-Terry loss by hand, the score at the last real token whatever the padding, preference data
-formats, and the script on the toy task (accuracy, normalised scores, a folder HF loads)."""
+formats, and the script on the toy task (accuracy, centred scores, a folder HF loads)."""
 
 import json
 import math
-import re
 
 import datasets
 import pytest
@@ -96,7 +95,7 @@ def test_tokenize_preference_bad_input_names_the_problem(toy):
 
 
 # ---------------------------------------------------------------------------------------------- the script itself
-def test_reward_model_learns_the_toy_pairs_and_saves_normalised_scores(toy, reward_model):
+def test_reward_model_learns_the_toy_pairs_and_saves_centred_scores(toy, reward_model):
     out = reward_model[0]  # conftest.py: 125 steps from the toy SFT model, lr 1e-3, 2 processes
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [25, 50, 75, 100, 125] and rows[-1]["episode"] == 125 * 32
@@ -106,8 +105,7 @@ def test_reward_model_learns_the_toy_pairs_and_saves_normalised_scores(toy, rewa
     assert rows[-1]["rewards/margins"] == pytest.approx(rows[-1]["rewards/chosen"] - rows[-1]["rewards/rejected"], abs=1e-5)
     print(f"toy reward model: test pair accuracy {rows[-1]['eval/accuracy']:.3f}")
     assert rows[-1]["eval/accuracy"] >= 0.9
-    # the folder loads with the standard class, and its scores (with the saved shift) have mean 0 and std 1 on the
-    # training completions
+    # the folder loads with the standard class, and its scores (with the saved shift) have mean 0 on the training completions
     model = AutoModelForSequenceClassification.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
     train, _ = tokenize_preference(datasets.load_dataset("json", data_files=str(toy / "preference" / "train.jsonl"), split="train"), tok, A)
@@ -115,10 +113,7 @@ def test_reward_model_learns_the_toy_pairs_and_saves_normalised_scores(toy, rewa
         scores = [sequence_scores(model, *make_batch(train["prompt"][i : i + 500] * 2, train["chosen"][i : i + 500] + train["rejected"][i : i + 500],
                                                      tok.pad_token_id)[:2]) for i in range(0, 4000, 500)]
     scores = torch.cat(scores)
-    assert abs(model.config.score_bias) > 0.05 and abs(scores.mean().item()) < 1e-4
-    assert scores.std(correction=0).item() == pytest.approx(1.0, abs=1e-4)
-    std = re.search(r"normalize_reward: scores of 8000 training completions had mean \S+, std (\S+);", reward_model[1].stdout)
-    assert float(std.group(1)) > 2  # before: far from 1, so the check above can fail
+    assert abs(model.config.score_bias) > 0.05 and abs(scores.mean().item()) < 1e-3 * scores.std().item()
 
 
 def test_reward_missing_column_stops_with_a_clear_message(toy, tmp_path):
