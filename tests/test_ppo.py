@@ -171,8 +171,8 @@ def test_tf_adam_moves_the_policy_less_on_the_first_update(two_optimizers):
     clipfrac = {name: sum(r["policy/clipfrac_avg"] for r in rows[1:4]) / 3 for name, rows in two_optimizers.items()}
     print(f"first rollout: approxkl adam_tf {approxkl['adam_tf']:.3g} adamw {approxkl['adamw']:.3g}; "
           f"clipfrac adam_tf {clipfrac['adam_tf']:.3g} adamw {clipfrac['adamw']:.3g}")
-    # measured: approxkl 0.0092 (adam_tf) vs 0.0143 (adamw). The gap depends on how many gradients are small next to
-    # epsilon (on this toy model, few): here 1.5x, so the check asks for 1.2x
+    # measured: approxkl 0.0057 (adam_tf) vs 0.0134 (adamw). The gap depends on how many gradients are small next to
+    # epsilon: here 2.3x (1.5x with a reward model scaled to std 1), so the check asks for 1.2x
     assert approxkl["adamw"] > 1.2 * approxkl["adam_tf"] > 0 and clipfrac["adamw"] > clipfrac["adam_tf"]
 
 
