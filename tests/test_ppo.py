@@ -131,26 +131,26 @@ def ppo_args(model, reward, data, out, *extra):
 def two_optimizers(toy, sft_model, reward_model, tmp_path_factory):
     """The same run with adam_tf and with adamw (epsilon 1e-5 for both): 2 processes x 2 PPO epochs x 2 mini-batches
     x 2 accumulation steps (micro-batches of 2: 8 completions per optimizer step, rollouts of 16 prompts, 4 optimizer
-    steps per rollout), 3 rollouts, learning rate decaying linearly from 3e-5, logged at every optimizer step."""
+    steps per rollout), 2 rollouts, learning rate decaying linearly from 3e-5, logged at every optimizer step."""
     root = tmp_path_factory.mktemp("ppo_optimizers")
     (root / "prompts.jsonl").write_text("".join(open(toy / "prompts" / "train.jsonl").readlines()[:64]))
     runs = {}
     for optimizer in ("adam_tf", "adamw"):
         out = root / optimizer
         result = run_script("ppo.py", ppo_args(sft_model[0], reward_model[0], root / "prompts.jsonl", out, "--optimizer", optimizer,
-                                               "--adam_epsilon", 1e-5, "--learning_rate", 3e-5, "--max_steps", 12,
+                                               "--adam_epsilon", 1e-5, "--learning_rate", 3e-5, "--max_steps", 8,
                                                "--num_ppo_epochs", 2, "--num_mini_batches", 2, "--per_device_train_batch_size", 2,
                                                "--gradient_accumulation_steps", 2, "--local_rollout_forward_batch_size", 8), nproc=2)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
-        assert "3 rollouts of 16 prompts, each 2 epochs x 2 mini-batches of 8 completions (2 processes x 2 per micro-batch x 2 accumulation)" in result.stdout
+        assert "2 rollouts of 16 prompts, each 2 epochs x 2 mini-batches of 8 completions (2 processes x 2 per micro-batch x 2 accumulation)" in result.stdout
         runs[optimizer] = read_metrics(out)
     return runs
 
 
 def test_lr_schedule_once_per_optimizer_step(two_optimizers):
-    """12 optimizer steps, linear decay from 3e-5 towards 0 at step 12 (test_training_loop checks warmup + cosine). A
+    """8 optimizer steps, linear decay from 3e-5 towards 0 at step 8 (test_training_loop checks warmup + cosine). A
     scheduler stepped per process, per epoch or per micro-batch would end early, repeat values or saw-tooth."""
-    total, peak = 12, 3e-5
+    total, peak = 8, 3e-5
     expected = [peak * (total - k) / total for k in range(total)]
     for optimizer, rows in two_optimizers.items():
         assert [r["step"] for r in rows] == list(range(1, total + 1)), optimizer
@@ -171,7 +171,7 @@ def test_tf_adam_moves_the_policy_less_on_the_first_update(two_optimizers):
     clipfrac = {name: sum(r["policy/clipfrac_avg"] for r in rows[1:4]) / 3 for name, rows in two_optimizers.items()}
     print(f"first rollout: approxkl adam_tf {approxkl['adam_tf']:.3g} adamw {approxkl['adamw']:.3g}; "
           f"clipfrac adam_tf {clipfrac['adam_tf']:.3g} adamw {clipfrac['adamw']:.3g}")
-    # measured: approxkl 0.0057 (adam_tf) vs 0.0134 (adamw). The gap depends on how many gradients are small next to
+    # measured: approxkl 0.0054 (adam_tf) vs 0.0127 (adamw). The gap depends on how many gradients are small next to
     # epsilon: here 2.3x (1.5x with a reward model scaled to std 1), so the check asks for 1.2x
     assert approxkl["adamw"] > 1.2 * approxkl["adam_tf"] > 0 and clipfrac["adamw"] > clipfrac["adam_tf"]
 
