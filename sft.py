@@ -12,9 +12,12 @@ Run:  python examples/toy_task.py --out toy
 import json
 import math
 import os
+import pickle
 import random
 import resource
 import shutil
+import signal
+import sys
 import time
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -24,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import tyro
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -93,7 +97,14 @@ class Args:
     save_every: int = -1
     """write a resumable checkpoint every this many optimizer steps (-1: never)"""
     resume_from: Optional[str] = None
-    """a checkpoint folder (output_dir/checkpoints/step_N) to continue the same run from"""
+    """a checkpoint folder (output_dir/checkpoints/step_N) to continue the same run from; auto: the latest complete one in
+    output_dir, if any (the same command then starts a run and continues it after a preemption)"""
+    keep_last: int = -1
+    """keep only the newest N checkpoints (-1: all)"""
+    skip_nonfinite: int = 0
+    """skip up to N optimizer steps whose loss or gradient norm is NaN/inf (0: the first one stops the run)"""
+    trust_remote_code: bool = False
+    """allow models and tokenizers whose code comes from the hub (runs that code: only for repositories you trust)"""
     max_prompt_length: int = 512
     """prompts longer than this (in tokens) are dropped, and counted in a message at start"""
     max_completion_length: int = 1024
@@ -130,8 +141,11 @@ def load_split(name, split):
     """A split of a hub dataset, a local dataset folder, or a local file (a single file is the train split).
     Returns None when there is no such split."""
     if os.path.isfile(name):
-        builder = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}[name.rsplit(".", 1)[-1]]
-        return datasets.load_dataset(builder, data_files=name, split="train") if split == "train" else None
+        builders = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}
+        extension = name.rsplit(".", 1)[-1]
+        if extension not in builders:
+            raise ValueError(f"dataset file {name!r}: unknown format .{extension}; give a .json, .jsonl, .parquet or .csv file, a folder of them, or a hub id")
+        return datasets.load_dataset(builders[extension], data_files=name, split="train") if split == "train" else None
     if os.path.isfile(os.path.join(name, "dataset_dict.json")):  # a DatasetDict written by save_to_disk
         dataset_dict = datasets.load_from_disk(name)
         return dataset_dict[split] if split in dataset_dict else None
@@ -141,6 +155,26 @@ def load_split(name, split):
         if "Unknown split" in str(e):
             return None
         raise
+    except FileNotFoundError as e:
+        raise ValueError(f"dataset {name!r} is neither a local file or folder of data files nor a dataset on the hub: {e}") from e
+
+
+def load_pretrained(auto_class, path, args, flag):
+    """auto_class.from_pretrained(path), stopping with a message that names the flag when `path` is not such a model or
+    tokenizer, or when the model lacks weights (a causal LM given as a reward model would get a random score head: HF only
+    warns). Code from the hub runs only with --trust_remote_code."""
+    model_kwargs = {} if auto_class is AutoTokenizer else {"dtype": torch.float32, "output_loading_info": True}
+    try:
+        loaded = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **model_kwargs)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag} {path!r} does not load with {auto_class.__name__}: {e}") from e
+    if auto_class is AutoTokenizer:
+        return loaded
+    model, info = loaded
+    if info["missing_keys"]:
+        raise ValueError(f"{flag} {path!r} has no weights for {sorted(info['missing_keys'])} as {type(model).__name__}: "
+                         "give a model of that kind (a reward model: the output folder of reward.py)")
+    return model
 
 
 def global_batch(step, num_rows, batch_size, seed):
@@ -240,35 +274,171 @@ def make_optimizer(model, args):
     return torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon, weight_decay=args.weight_decay)
 
 
-def save_checkpoint(path, model, optimizer, scheduler, step, rank):
-    """Model and optimizer shards (torch.distributed.checkpoint), plus each rank's RNG and the loop position.
-    Written to `path.tmp` and renamed when every rank has finished, so a crash never leaves a half checkpoint."""
+STOP_SIGNALS = []  # signals received: request_stop appends, guard_step reads
+
+
+def request_stop(signum, frame):
+    """SIGTERM (preemption: torchrun forwards it to every process) or SIGINT (Ctrl-C) only raise a flag; the loop sees it
+    at the next optimizer step, saves a checkpoint and leaves. A second Ctrl-C stops at once."""
+    if signum == signal.SIGINT and STOP_SIGNALS:
+        raise KeyboardInterrupt
+    STOP_SIGNALS.append(signum)
+
+
+def guard_step(loss, grad_norm, step, args, skipped):
+    """Before optimizer.step(), one all-reduce: is this step's loss (this rank's part) or gradient norm NaN or inf
+    anywhere, and has any rank been asked to stop? Every rank gets the same answer and takes the same branch. A non-finite
+    step is not applied, up to --skip_nonfinite times (`skipped` lists them); past that the run stops with a message
+    naming the step, the metric and the last complete checkpoint. Returns (apply the update, stop now)."""
+    norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    flags = torch.stack([(~torch.isfinite(loss)).float(), (~torch.isfinite(norm)).float(), torch.tensor(float(bool(STOP_SIGNALS)), device=norm.device)])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    bad_loss, bad_norm, stop = flags.tolist()
+    if not bad_loss and not bad_norm:
+        return True, stop > 0
+    what = " and ".join(name for name, bad in [("loss", bad_loss), ("grad_norm", bad_norm)] if bad)
+    skipped.append(step)
+    if len(skipped) <= args.skip_nonfinite:
+        if dist.get_rank() == 0:
+            print(f"step {step}: non-finite {what}: update skipped ({len(skipped)} of --skip_nonfinite {args.skip_nonfinite})")
+        return False, stop > 0
+    raise FloatingPointError(
+        f"step {step}: non-finite {what} (grad_norm {norm.item()}); the model was not updated with it. Last complete "
+        f"checkpoint: {latest_checkpoint(args.output_dir) or 'none (see --save_every)'}. Resume from it with a lower "
+        "--learning_rate or --max_grad_norm, check this step's data, or pass --skip_nonfinite N to skip up to N such steps")
+
+
+def leave_after_signal(checkpoint, rank):
+    """After the checkpoint a SIGTERM/SIGINT asked for: say how to continue, close the process group and exit with
+    128 + the signal, so that a job scheduler sees an interrupted run, not a finished one."""
+    signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # the signal may have reached another rank only
+    if rank == 0:
+        print(f"stopped by {signal.Signals(signum).name}: checkpoint {checkpoint}; the same command with --resume_from auto continues the run")
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(128 + signum)
+
+
+def complete_checkpoint(path):
+    """The manifest (checkpoint.json) of a complete checkpoint folder, else None: the folder is named after its step,
+    and every file the manifest lists is there at its size (a folder still being written, truncated or copied in part
+    fails this)."""
+    try:
+        manifest = json.load(open(os.path.join(path, "checkpoint.json")))
+        sizes = all(os.path.getsize(os.path.join(path, name)) == size for name, size in manifest["files"].items())
+        return manifest if sizes and os.path.basename(os.path.normpath(path)) == f"step_{manifest['step']}" else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def latest_checkpoint(output_dir):
+    """The complete checkpoint of output_dir/checkpoints with the highest step (--resume_from auto), or None."""
+    root = os.path.join(output_dir, "checkpoints")
+    found = [(manifest["step"], os.path.join(root, name)) for name in (os.listdir(root) if os.path.isdir(root) else [])
+             if (manifest := complete_checkpoint(os.path.join(root, name)))]
+    return max(found)[1] if found else None
+
+
+def save_checkpoint(model, optimizer, scheduler, step, args, state):
+    """output_dir/checkpoints/step_N: model and optimizer tensors (torch.distributed.checkpoint, sharded), and per rank
+    the scheduler, the RNG states and `state` (the loop's own: skipped steps, the KL controller) in a weights_only file.
+    Written as step_N.tmp; when every rank is done, rank 0 lists each file with its size in checkpoint.json (with the
+    arguments) and renames the folder, so a crash while saving leaves the previous checkpoint the latest complete one.
+    --keep_last N then removes the older ones. Returns the folder."""
+    rank = dist.get_rank()
+    path = os.path.join(args.output_dir, "checkpoints", f"step_{step}")
+    if rank == 0:
+        shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # left by a crash
+    dist.barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=f"{path}.tmp")
+    dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=f"{path}.tmp")
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng}, f"{path}.tmp/rank{rank}.pt")
+    torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state}, f"{path}.tmp/rank{rank}.pt")
     dist.barrier()
     if rank == 0:
+        files = {name: os.path.getsize(os.path.join(f"{path}.tmp", name)) for name in os.listdir(f"{path}.tmp")}
+        with open(f"{path}.tmp/checkpoint.json", "w") as f:
+            json.dump({"step": step, "args": vars(args), "files": files}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
         shutil.rmtree(path, ignore_errors=True)  # a run restarted into the same output_dir overwrites its old step
         os.replace(f"{path}.tmp", path)
+        root = os.path.join(args.output_dir, "checkpoints")
+        complete = sorted((m["step"], os.path.join(root, n)) for n in os.listdir(root) if (m := complete_checkpoint(os.path.join(root, n))))
+        for _, old in complete[: -args.keep_last] if args.keep_last > 0 else []:
+            shutil.rmtree(old)
     dist.barrier()
+    return path
 
 
-def load_checkpoint(path, model, optimizer, scheduler, rank):
-    """Restore what save_checkpoint wrote (tensors and plain types only: weights_only) and return the step."""
+# arguments that may change when a run resumes: where it logs, how often, and how the same global batch is split
+RESUMABLE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "resume_from", "log_every", "eval_every", "save_every",
+             "keep_last", "skip_nonfinite", "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size",
+             "local_rollout_forward_batch_size", "gradient_checkpointing", "cpu_offload", "world_size", "local_batch_size"}
+
+
+class CheckpointReader(dcp.FileSystemReader):
+    """DCP's file reader, with its .metadata (a pickle) read through an allow-list: DCP's metadata classes, torch sizes,
+    dtypes and layouts, paths. Loading a checkpoint cannot run code planted in it; the tensors are raw bytes, and
+    save_checkpoint writes no pickled objects (the rest is in json and weights_only files)."""
+
+    def read_metadata(self, *args, **kwargs):
+        def allowed(module, name):
+            return (module == "torch.distributed.checkpoint.metadata" or (module, name) in {
+                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+                ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "Path")}
+                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+
+        class Unpickler(pickle.Unpickler):
+            def find_class(self, module, name):
+                if not allowed(module, name):
+                    raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}: not a DCP metadata class")
+                return super().find_class(module, name)
+
+        with open(os.path.join(self.path, ".metadata"), "rb") as f:
+            metadata = Unpickler(f).load()
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def load_checkpoint(path, model, optimizer, scheduler, args):
+    """Restore a checkpoint of save_checkpoint, after checking that it is complete and belongs to this run: every argument
+    outside RESUMABLE must match (model, data, seed, schedule, algorithm, the global batch). The number of processes may
+    change if the global batch stays the same (DCP reshards; the per-rank RNG streams then restart). Nothing is
+    unpickled. Returns the step and the loop's own state."""
+    manifest = complete_checkpoint(path)
+    if manifest is None:
+        raise ValueError(f"--resume_from {path!r} is not a complete checkpoint (a step_N folder whose checkpoint.json lists "
+                         f"files that are all there); --resume_from auto picks the latest complete one")
+    now = json.loads(json.dumps(vars(args)))
+    mismatched = [f"{name} {manifest['args'].get(name)!r} in the checkpoint, {value!r} now" for name, value in now.items()
+                  if name not in RESUMABLE and manifest["args"].get(name) != value]
+    if mismatched:
+        raise ValueError(f"checkpoint {path} does not match the arguments: {'; '.join(mismatched)}. Resume with the arguments "
+                         "it was written with (batch_size = processes x --per_device_train_batch_size x --gradient_accumulation_steps), "
+                         "or start a new run in another --output_dir")
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    extra = torch.load(f"{path}/rank{rank}.pt", weights_only=True)
+    state = {"model": model_state, "optimizer": optimizer_state["state"]}
+    dcp.load(state, storage_reader=CheckpointReader(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict={"state": state["optimizer"], "param_groups": optimizer_state["param_groups"]})
+    same_processes = manifest["args"]["world_size"] == args.world_size
+    extra = torch.load(os.path.join(path, f"rank{dist.get_rank() if same_processes else 0}.pt"), weights_only=True)
     scheduler.load_state_dict(extra["scheduler"])
-    torch.set_rng_state(extra["rng"]["torch"])
-    random.setstate(extra["rng"]["python"])
-    if "cuda" in extra["rng"]:
-        torch.cuda.set_rng_state(extra["rng"]["cuda"])
-    return extra["step"]
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr  # the learning rate of the next step (param_groups are not in the checkpoint)
+    if same_processes:
+        torch.set_rng_state(extra["rng"]["torch"])
+        random.setstate(extra["rng"]["python"])
+        if "cuda" in extra["rng"]:
+            torch.cuda.set_rng_state(extra["rng"]["cuda"])
+    elif dist.get_rank() == 0:
+        print(f"resuming on {args.world_size} processes a run of {manifest['args']['world_size']}: same weights, optimizer, "
+              "schedule and data order; the per-process random streams (dropout) restart")
+    return extra["step"], extra["state"]
 
 
 def save_hf_model(model, tokenizer, output_dir, rank):
@@ -331,6 +501,10 @@ if __name__ == "__main__":
     # 1. args, distributed init, derived batch sizes
     args = tyro.cli(Args)
     rank, world_size, device = init_distributed()
+    signal.signal(signal.SIGTERM, request_stop)  # preemption: checkpoint at the next optimizer step, then leave
+    signal.signal(signal.SIGINT, request_stop)
+    if args.resume_from == "auto":
+        args.resume_from = latest_checkpoint(args.output_dir)  # None: nothing to continue, the run starts at step 0
     args.world_size = world_size
     args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.batch_size = args.local_batch_size * world_size
@@ -344,7 +518,7 @@ if __name__ == "__main__":
     os.makedirs(args.output_dir, exist_ok=True)
 
     # 3. data: every rank tokenises the same rows, so each knows the whole global batch (and its token count)
-    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer of {args.model_name_or_path} has no eos_token: completions could never end")
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -359,7 +533,7 @@ if __name__ == "__main__":
         print(f"eval: {len(eval_prompts)} rows" if eval_dataset else f"no split {args.dataset_test_split!r}: eval skipped")
     steps_per_epoch = len(train_prompts) // args.batch_size
     if steps_per_epoch == 0:
-        raise ValueError(f"{len(train_prompts)} training rows cannot fill one global batch of {args.batch_size}")
+        raise ValueError(f"{len(train_prompts)} training rows cannot fill one global batch of {args.batch_size}; dropped: {dropped}. Lower the batch sizes or the number of processes, use more data, or raise --max_prompt_length / --max_completion_length if the rows were dropped as too long")
     args.num_training_steps = args.max_steps if args.max_steps > 0 else args.num_train_epochs * steps_per_epoch
     if rank == 0:
         print(f"{world_size} processes x {args.per_device_train_batch_size} per micro-batch x "
@@ -367,7 +541,7 @@ if __name__ == "__main__":
               f"per epoch ({len(train_prompts) % args.batch_size} rows left out of each epoch, reshuffled every epoch)")
 
     # 4. models + FSDP2 (fp32 master weights; bf16 compute on GPU through the mixed precision policy)
-    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+    model = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args, "--model_name_or_path")
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = shard_model(model, args, device)
@@ -376,7 +550,8 @@ if __name__ == "__main__":
     optimizer = make_optimizer(model, args)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * args.num_training_steps),
                               num_training_steps=args.num_training_steps)
-    start_step = load_checkpoint(args.resume_from, model, optimizer, scheduler, rank) if args.resume_from else 0
+    start_step, loop_state = load_checkpoint(args.resume_from, model, optimizer, scheduler, args) if args.resume_from else (0, {"skipped": []})
+    skipped = loop_state["skipped"]  # steps whose update was skipped as non-finite (--skip_nonfinite)
 
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if rank == 0:
@@ -404,6 +579,7 @@ if __name__ == "__main__":
     # 6. training loop
     model.train()
     progress = tqdm(total=args.num_training_steps, initial=start_step, disable=rank != 0, desc="sft")
+    stop = False
     window_start, window_tokens = time.time(), torch.zeros((), device=device)
     for step in range(start_step, args.num_training_steps):
         batch = global_batch(step, len(train_prompts), args.batch_size, args.seed)
@@ -418,7 +594,9 @@ if __name__ == "__main__":
             loss_sum += loss.detach()
             window_tokens += tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
-        optimizer.step()
+        update, stop = guard_step(loss_sum, grad_norm, step + 1, args, skipped)
+        if update:
+            optimizer.step()
         lr = scheduler.get_last_lr()[0]  # the learning rate this step used
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -441,9 +619,13 @@ if __name__ == "__main__":
                 if args.track:
                     wandb.log(metrics, step=done)
             window_start, window_tokens = time.time(), torch.zeros((), device=device)
-        if args.save_every > 0 and done % args.save_every == 0:
-            save_checkpoint(os.path.join(args.output_dir, "checkpoints", f"step_{done}"), model, optimizer, scheduler, done, rank)
+        if (args.save_every > 0 and done % args.save_every == 0) or stop:
+            checkpoint = save_checkpoint(model, optimizer, scheduler, done, args, {"skipped": skipped})
+        if stop:
+            break
     progress.close()
+    if stop:
+        leave_after_signal(checkpoint, rank)
 
     # 7. save + cleanup
     save_hf_model(model, tokenizer, args.output_dir, rank)

@@ -71,3 +71,32 @@ def reward_model(sft_model, tmp_path_factory, toy):
                                       "--per_device_train_batch_size", 16, "--log_every", 25], nproc=2)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
     return out, result
+
+
+def run_in_process(script, args):
+    """Run a top-level script inside the test process, as `python script.py ...` would (one process, the same code path),
+    for the runs that stop before training: no interpreter start or imports to pay. Returns the exception it raised
+    (None if it finished) and what it printed. The process group and the signal handlers it installed are undone."""
+    import contextlib
+    import io
+    import runpy
+    import signal
+
+    import torch.distributed as dist
+
+    handlers, argv, printed = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}, sys.argv, io.StringIO()
+    sys.argv, error = [script] + [str(a) for a in args], None
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # SystemExit, and DCP's CheckpointException (a BaseException)
+        error = e
+    finally:
+        sys.argv = argv
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return error, printed.getvalue()

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import read_metrics, reference_logprobs, run_script, tiny_gpt2
+from conftest import read_metrics, reference_logprobs, run_in_process, run_script, tiny_gpt2
 
 from dpo import dpo_loss, pair_logps
 from toy_task import exact_match, write_mistake_pairs
@@ -104,6 +104,6 @@ def test_dpo_raises_exact_match_over_the_sft_model(toy, sft_model, tmp_path):
 
 
 def test_label_smoothing_with_another_loss_stops_with_a_clear_message(toy, tmp_path):
-    result = run_script("dpo.py", ["--model_name_or_path", toy / "model", "--dataset_name", toy / "preference", "--output_dir", tmp_path,
-                                   "--loss_type", "ipo", "--label_smoothing", 0.1])
-    assert result.returncode != 0 and "--label_smoothing applies to --loss_type sigmoid only (got ipo)" in result.stderr
+    error, _ = run_in_process("dpo.py", ["--model_name_or_path", toy / "model", "--dataset_name", toy / "preference", "--output_dir", tmp_path,
+                                         "--loss_type", "ipo", "--label_smoothing", 0.1])
+    assert isinstance(error, ValueError) and "--label_smoothing applies to --loss_type sigmoid only (got ipo)" in str(error)

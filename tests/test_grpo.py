@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, read_metrics, run_script, tiny_gpt2
+from conftest import ROOT, read_metrics, run_in_process, run_script, tiny_gpt2
 from grpo import (completion_logprobs, generate_completions, grpo_loss, group_advantages, kl_estimate, loss_normaliser, make_batch,
                   parse_answer, shard_model, tokenize_prompts, unsharded, verifier_reward)
 from datasets import Dataset
@@ -295,18 +295,14 @@ def grpo_args(model, data, out, *extra):
 
 
 def test_bad_input(toy, tmp_path):
-    (tmp_path / "no_prompt.jsonl").write_text('{"question": "sort: 21 ->", "answer": "12"}\n')
-    result = run_script("grpo.py", grpo_args(toy / "model", tmp_path / "no_prompt.jsonl", tmp_path / "a"))
-    assert result.returncode != 0 and "needs a 'prompt' column" in result.stderr
+    """In the test process (conftest.run_in_process): each stops before any model is loaded. test_reliability.py covers
+    what every script shares (formats, columns, dropped rows, tokenizer, model folders, reward model, batch sizes)."""
     (tmp_path / "no_answer.jsonl").write_text('{"prompt": "sort: 21 ->"}\n')
-    result = run_script("grpo.py", grpo_args(toy / "model", tmp_path / "no_answer.jsonl", tmp_path / "b"))
-    assert result.returncode != 0 and "'answer' column for the verifier" in result.stderr
-    result = run_script("grpo.py", grpo_args(toy / "model", toy / "prompts", tmp_path / "c", "--num_mini_batches", 2, "--max_steps", 3))
-    assert result.returncode != 0 and "--max_steps must be a multiple of num_iterations x num_mini_batches = 2" in result.stderr
-    result = run_script("grpo.py", grpo_args(toy / "model", toy / "prompts", tmp_path / "d", "--num_generations", 3))
-    assert result.returncode != 0 and "whole groups of num_generations" in result.stderr
-    result = run_script("grpo.py", grpo_args(toy / "model", toy / "prompts", tmp_path / "e", "--reward_fn", "None"))
-    assert result.returncode != 0 and "no reward" in result.stderr
+    for data, extra, message in [(tmp_path / "no_answer.jsonl", [], "'answer' column for the verifier"),
+                                 (toy / "prompts", ["--num_generations", 3], "whole groups of num_generations"),
+                                 (toy / "prompts", ["--reward_fn", "None"], "no reward")]:
+        error, _ = run_in_process("grpo.py", grpo_args(toy / "model", data, tmp_path / "out", *extra))
+        assert isinstance(error, ValueError) and message in str(error), (message, repr(error))
 
 
 def test_missing_eos_penalty_and_truncated_completions(toy, sft_model, tmp_path):

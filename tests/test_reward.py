@@ -1,13 +1,12 @@
 """reward.py: the Bradley-Terry loss by hand, the score at the last real token whatever the padding, preference data
 formats, and the script on the toy task (accuracy, centred scores, a folder HF loads)."""
 
-import json
 import math
 
 import datasets
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import read_metrics
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2Config, GPT2ForSequenceClassification
 
 from reward import bradley_terry_loss, last_token_index, make_batch, sequence_scores, tokenize_preference
@@ -114,9 +113,3 @@ def test_reward_model_learns_the_toy_pairs_and_saves_centred_scores(toy, reward_
                                                      tok.pad_token_id)[:2]) for i in range(0, 4000, 500)]
     scores = torch.cat(scores)
     assert abs(model.config.score_bias) > 0.05 and abs(scores.mean().item()) < 1e-3 * scores.std().item()
-
-
-def test_reward_missing_column_stops_with_a_clear_message(toy, tmp_path):
-    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "sort: 21 ->", "completion": " 12"}) + "\n")
-    result = run_script("reward.py", ["--model_name_or_path", toy / "model", "--dataset_name", tmp_path / "bad.jsonl", "--output_dir", tmp_path / "out"])
-    assert result.returncode != 0 and "but preference data needs 'chosen' and 'rejected' columns" in result.stderr

@@ -116,13 +116,6 @@ def test_sft_learns_the_toy_task_on_two_processes(toy, sft_model):
     assert model.config.model_type == "qwen2"
 
 
-def test_missing_column_stops_with_a_clear_message(toy, tmp_path):
-    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "sort: 21 ->", "answer": "12"}) + "\n")
-    result = run_script("sft.py", ["--model_name_or_path", toy / "model", "--dataset_name", tmp_path / "bad.jsonl", "--output_dir", tmp_path / "out"])
-    assert result.returncode != 0
-    assert "has columns ['prompt', 'answer'], but sft.py needs a 'completion' column" in result.stderr
-
-
 def test_conversational_messages_dropped_rows_and_wandb(toy, tmp_path):
     rows = [{"messages": [{"role": "user", "content": f"sort: {d} ->"}, {"role": "assistant", "content": " " + "".join(sorted(d))}]}
             for d in ["312", "9081", "5521", "77"]]

@@ -1,13 +1,20 @@
 """The training-loop invariants of DESIGN.md, for every script (sft.py, reward.py, dpo.py, grpo.py, ppo.py): the same
 global batch split four ways gives the same losses and weights; the LR schedule is exact and ends at the last optimizer
-step; a run resumed from a checkpoint continues bit for bit. grpo.py and ppo.py sample their own data: their rollouts do
+step; a run stopped by SIGTERM or SIGKILL and resumed with --resume_from auto continues bit for bit. grpo.py and ppo.py sample their own data: their rollouts do
 not depend on the number of processes (generation chunks are seeded by rollout and chunk), so the same comparisons hold."""
 
 import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import ROOT, read_metrics, run_script
 from safetensors.torch import load_file
 
 # Four ways to split the same global batch of 8: (processes, micro-batch, accumulation steps)
@@ -88,13 +95,50 @@ def test_lr_schedule_is_exact_for_every_split(split_runs):
         assert [r["lr"] for r in rows] == pytest.approx(expected, rel=1e-9, abs=1e-15), (script, split)
 
 
-def test_resume_continues_the_same_run(split_runs):
+def interrupted_run(script, args, nproc, out, stop_after, kill):
+    """Start a run, wait until it has logged `stop_after` steps, then SIGTERM torchrun (what a preempted job gets; it
+    forwards the signal to every process) or SIGKILL the whole process group (a lost node: no chance to save).
+    Returns the launcher's exit code and output."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), os.path.join(ROOT, script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    log = open(out.parent / f"{out.name}.log", "w+")
+    process = subprocess.Popen(command + [str(a) for a in args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if os.path.exists(out / "metrics.jsonl") and len(open(out / "metrics.jsonl").readlines()) >= stop_after:
+            if kill:
+                os.killpg(process.pid, signal.SIGKILL)
+            else:
+                process.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.05)
+    returncode = process.wait(timeout=120)
+    log.seek(0)
+    return returncode, log.read()
+
+
+def test_sigterm_or_sigkill_then_resume_auto_continues_the_same_run(split_runs):
+    """Stopped at a random step, then the same command with --resume_from auto: the metrics and the final weights are
+    those of the uninterrupted run, bit for bit. SIGTERM: a checkpoint at the next optimizer step (grpo and ppo: at the
+    end of the rollout's updates). SIGKILL (sft): nothing saved then; the run continues from the latest complete
+    checkpoint of --save_every (every 6 steps), recomputing the lost steps."""
     script, model, root, runs, reward = split_runs
     straight = runs[(2, 4, 1)]
-    resumed = root / "resumed"
-    args = common_args(script, model, root / "small.jsonl", resumed) + reward + ["--per_device_train_batch_size", 4, "--resume_from", straight / "checkpoints" / "step_6"]
-    result = run_script(script, args, nproc=2)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
-    assert UNTIMED(read_metrics(resumed)) == UNTIMED(read_metrics(straight))[6:]  # steps 7..12, bit for bit
-    a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    rl = script in RL
+    for kill in [False, True] if script == "sft.py" else [False]:
+        stop_after = random.randint(1, 5 if rl else 10)  # logged steps before the signal (grpo, ppo: within the first rollout)
+        out = root / f"interrupted_{kill}"
+        args = common_args(script, model, root / "small.jsonl", out) + reward + ["--per_device_train_batch_size", 4, "--save_every", 6, "--resume_from", "auto"]
+        returncode, output = interrupted_run(script, args, 2, out, stop_after, kill)
+        message = (script, "SIGKILL" if kill else "SIGTERM", stop_after, output[-3000:])
+        if kill:
+            assert returncode != 0 and "stopped by" not in output, message
+        else:
+            saved = re.search(r"stopped by SIGTERM: checkpoint .*step_(\d+);", output)
+            assert saved and int(saved.group(1)) >= stop_after and (not rl or int(saved.group(1)) % 6 == 0), message
+            assert returncode != 0 and not (out / "model.safetensors").exists(), message  # interrupted, not finished
+        result = run_script(script, args, nproc=2)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
+        assert UNTIMED(read_metrics(out)) == UNTIMED(read_metrics(straight)), message
+        a, b = load_file(straight / "model.safetensors"), load_file(out / "model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a), message
