@@ -135,10 +135,11 @@ def test_nan_stops_the_run_before_the_update(script, toy, scored_model, tmp_path
         model, reward = toy / "model", poisoned_copy(scored_model, tmp_path / "poisoned", "score.weight")
     else:
         model, reward = poisoned_copy(toy / "model", tmp_path / "poisoned", "model.norm.weight"), None
-    error, _ = run_in_process(script, script_args(script, model, toy / DATA[script], tmp_path / "a", reward))
+    data = write_rows(tmp_path / "small.jsonl", [json.loads(line) for line in open(toy / DATA[script] / "train.jsonl").readlines()[:16]])
+    error, _ = run_in_process(script, script_args(script, model, data, tmp_path / "a", reward))
     assert isinstance(error, FloatingPointError), (script, repr(error)[-600:])
     assert "step 1: non-finite loss and grad_norm (grad_norm nan)" in str(error) and "Last complete checkpoint: none (see --save_every)" in str(error)
-    error, printed = run_in_process(script, script_args(script, model, toy / DATA[script], tmp_path / "b", reward, "--skip_nonfinite", 2))
+    error, printed = run_in_process(script, script_args(script, model, data, tmp_path / "b", reward, "--skip_nonfinite", 2))
     assert error is None and "step 2: non-finite loss and grad_norm: update skipped (2 of --skip_nonfinite 2)" in printed, (script, repr(error)[-600:])
     initial, final = load_file(model / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert all(torch.equal(final[k], initial[k]) for k in final if k in initial and not initial[k].isnan().any())  # reward.py: + a new head
@@ -164,7 +165,7 @@ def checkpointed(toy, tmp_path_factory):
     return out
 
 
-def test_keep_last_and_auto_never_picks_an_incomplete_checkpoint(checkpointed, tmp_path):
+def test_keep_last_and_auto_never_picks_an_incomplete_checkpoint(checkpointed, toy, tmp_path):
     from sft import complete_checkpoint, latest_checkpoint
 
     out = tmp_path / "run"
@@ -182,7 +183,7 @@ def test_keep_last_and_auto_never_picks_an_incomplete_checkpoint(checkpointed, t
     os.remove(out / "checkpoints" / "step_7" / "checkpoint.json")
     assert complete_checkpoint(out / "checkpoints" / "step_8") is None and complete_checkpoint(out / "checkpoints" / "step_7") is None
     assert latest_checkpoint(out) == str(good)
-    error, _ = run_in_process("sft.py", ["--resume_from", out / "checkpoints" / "step_8", "--output_dir", out])
+    error, _ = run_in_process("sft.py", script_args("sft.py", toy / "model", toy / "sft", out, None, "--max_steps", 4, "--resume_from", out / "checkpoints" / "step_8"))
     assert isinstance(error, ValueError) and "is not a complete checkpoint" in str(error)
 
 
