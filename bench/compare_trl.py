@@ -1,0 +1,128 @@
+"""Our scripts against TRL 1.16 at equal settings, side by side on this machine (issue 8).
+
+    python -m venv --system-site-packages .venv-bench && .venv-bench/bin/pip install -r bench/requirements.txt
+    .venv-bench/bin/python bench/compare_trl.py --out runs/bench --algos sft reward dpo grpo --repeats 2
+
+Offline: the toy task's data and byte-level tokenizer (examples/toy_task.py), and a ~27M-parameter Qwen2-family model
+with random weights (hidden 512, 8 layers). Both sides run with torchrun on --nproc processes, the same per-device
+batch, steps, lengths and number of generations, alternating ours, TRL, ours, TRL. Seconds per optimizer step: the
+median gap between the ends of consecutive steps after the first 3 (ours: when each metrics.jsonl row appears, logged
+every step; TRL: a callback at each step's end). Memory: the peak resident set of the busiest process, as both print it.
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+
+def make_model(out):
+    """Qwen2 shape with 27M parameters, random weights, the toy tokenizer (258 tokens: EOS is rare, completions run long)."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    import torch
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(out, "toy", "model"))
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                         num_key_value_heads=8, max_position_embeddings=512, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(os.path.join(out, "model27m"))
+    tokenizer.save_pretrained(os.path.join(out, "model27m"))
+    return sum(p.numel() for p in model.parameters())
+
+
+def run(command, step_file=None, metrics_file=None):
+    """Run a torchrun command; return the end time of every step and the printed peak memory (GiB)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    arrivals, done = [], threading.Event()
+
+    def watch():  # our scripts: the time each metrics.jsonl row appears
+        seen = 0
+        while not done.is_set():
+            if os.path.exists(metrics_file):
+                rows = open(metrics_file).read().count("\n")
+                arrivals.extend([time.time()] * (rows - seen))
+                seen = rows
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch) if metrics_file else None
+    if watcher:
+        watcher.start()
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    done.set()
+    if watcher:
+        watcher.join()
+    if result.returncode != 0:
+        raise RuntimeError(" ".join(command) + "\n" + result.stdout[-3000:] + result.stderr[-5000:])
+    times = arrivals if metrics_file else [float(t.split()[0]) for t in open(step_file)]
+    peak = float(re.search(r"peak CPU RSS memory per process ([\d.]+) GiB", result.stdout).group(1))
+    return times, peak
+
+
+def seconds_per_step(times, skip=3):
+    gaps = [b - a for a, b in zip(times, times[1:])][skip:]
+    return statistics.median(gaps)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="runs/bench")
+    parser.add_argument("--algos", nargs="+", default=["sft", "reward", "dpo", "grpo"])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    out = os.path.abspath(args.out)
+    if not os.path.exists(os.path.join(out, "toy")):
+        from toy_task import write_toy_task
+
+        write_toy_task(os.path.join(out, "toy"))
+    if not os.path.exists(os.path.join(out, "model27m")):
+        print(f"model: {make_model(out) / 1e6:.1f}M parameters")
+    model, toy = os.path.join(out, "model27m"), os.path.join(out, "toy")
+    # per algorithm: (our script, data, our extra args, per-device batch); grpo: 16 completions per process per step =
+    # 2 processes x 16 = 8 prompts x 4 generations, 32 new tokens at most, one iteration
+    settings = {
+        "sft": ("sft.py", "sft", [], 8),
+        "reward": ("reward.py", "preference", [], 8),
+        "dpo": ("dpo.py", "preference", ["--beta", 0.1, "--no-precompute-ref-logps"], 8),
+        "grpo": ("grpo.py", "prompts", ["--num_generations", 4, "--max_completion_length", 32, "--temperature", 1.0, "--beta", 0.04,
+                                        "--num_iterations", 1, "--num_mini_batches", 1, "--local_rollout_forward_batch_size", 16], 16),
+    }
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
+    python = os.environ.get("BENCH_TRL_PYTHON", sys.executable)  # the interpreter with trl installed
+    trl_run = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
+    table = {}
+    for algo in args.algos:
+        script, data, extra, batch = settings[algo]
+        data_file = os.path.join(toy, data, "train.jsonl")
+        results = {"ours": [], "trl": []}
+        for repeat in range(args.repeats):
+            ours_dir, trl_dir = os.path.join(out, f"{algo}_ours_{repeat}"), os.path.join(out, f"{algo}_trl_{repeat}")
+            for d in (ours_dir, trl_dir):
+                subprocess.run(["rm", "-rf", d])
+            ours = torchrun + [script, "--model_name_or_path", model, "--dataset_name", data_file, "--output_dir", ours_dir, "--max_steps", args.steps,
+                               "--per_device_train_batch_size", batch, "--learning_rate", 1e-5, "--lr_scheduler_type", "constant", "--log_every", 1,
+                               "--max_prompt_length", 128] + extra
+            times, peak = run([str(a) for a in ours], metrics_file=os.path.join(ours_dir, "metrics.jsonl"))
+            results["ours"].append((seconds_per_step(times), peak))
+            theirs = trl_run + ["bench/trl_equivalent.py", algo, "--model", model, "--data", data_file, "--output_dir", trl_dir, "--steps", args.steps,
+                                "--batch", batch]
+            times, peak = run([str(a) for a in theirs], step_file=os.path.join(trl_dir, "step_times.txt"))
+            results["trl"].append((seconds_per_step(times), peak))
+            print(algo, repeat, {k: v[-1] for k, v in results.items()}, flush=True)
+        row = {side: (statistics.median(s for s, _ in r), max(m for _, m in r)) for side, r in results.items()}
+        table[algo] = row
+        print(f"{algo}: ours {row['ours'][0]:.3f} s/step, {row['ours'][1]:.2f} GiB; TRL {row['trl'][0]:.3f} s/step, {row['trl'][1]:.2f} GiB; "
+              f"ratio {row['ours'][0] / row['trl'][0]:.2f} (time), {row['ours'][1] / row['trl'][1]:.2f} (memory)", flush=True)
+    json.dump(table, open(os.path.join(out, "compare_trl.json"), "w"), indent=1)

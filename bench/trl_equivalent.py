@@ -1,0 +1,77 @@
+"""The TRL 1.16 equivalent of one of our scripts, for bench/compare_trl.py (not used by the scripts or the tests).
+Run with torchrun like ours; writes the wall-clock time at the end of every optimizer step (rank 0) to
+OUTPUT_DIR/step_times.txt and prints the peak resident memory of the busiest process, the same two measures
+compare_trl.py takes from our scripts."""
+
+import argparse
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+
+
+class StepTimes(TrainerCallback):
+    def __init__(self, path):
+        self.path = path
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            with open(self.path, "a") as f:
+                f.write(f"{time.time()} {state.global_step}\n")
+
+
+def exact_match(completions, answer, **kwargs):
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("algo", choices=["sft", "reward", "dpo", "grpo"])
+    for name in ("model", "data", "output_dir"):
+        parser.add_argument(f"--{name}", required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=8, help="per-device batch (grpo: completions per device per step)")
+    parser.add_argument("--num_generations", type=int, default=4)
+    parser.add_argument("--max_completion_length", type=int, default=32)
+    args = parser.parse_args()
+    os.makedirs(args.output_dir, exist_ok=True)
+    common = dict(output_dir=args.output_dir, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1, max_steps=args.steps,
+                  learning_rate=1e-5, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none", bf16=False,
+                  seed=1, dataloader_num_workers=0, disable_tqdm=True, use_cpu=not torch.cuda.is_available())  # use_cpu: else no gloo DDP on CPU
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    train = load_dataset("json", data_files=args.data, split="train")
+    if args.algo == "sft":
+        from trl import SFTConfig, SFTTrainer
+
+        trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(args.model), args=SFTConfig(**common, max_length=128),
+                             train_dataset=train, processing_class=tokenizer)
+    elif args.algo == "reward":
+        from trl import RewardConfig, RewardTrainer
+
+        model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=1)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        trainer = RewardTrainer(model=model, args=RewardConfig(**common, max_length=128), train_dataset=train, processing_class=tokenizer)
+    elif args.algo == "dpo":
+        from trl import DPOConfig, DPOTrainer
+
+        trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(args.model), args=DPOConfig(**common, beta=0.1, max_length=128),
+                             train_dataset=train, processing_class=tokenizer)
+    else:
+        from trl import GRPOConfig, GRPOTrainer
+
+        config = GRPOConfig(**common, num_generations=args.num_generations, max_completion_length=args.max_completion_length,
+                            temperature=1.0, beta=0.04, num_iterations=1)
+        trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(args.model), reward_funcs=exact_match, args=config,
+                              train_dataset=train, processing_class=tokenizer)
+    trainer.add_callback(StepTimes(os.path.join(args.output_dir, "step_times.txt")))
+    trainer.train()
+    trainer.save_model(args.output_dir)  # as our scripts do at the end (their peak memory includes gathering the weights)
+    peak = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0)
+    if dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"peak CPU RSS memory per process {peak.item() / 2**30:.2f} GiB")
