@@ -122,7 +122,8 @@ def test_sigterm_or_sigkill_then_resume_auto_continues_the_same_run(split_runs):
     """Stopped at a random step, then the same command with --resume_from auto: the metrics and the final weights are
     those of the uninterrupted run, bit for bit. SIGTERM: a checkpoint at the next optimizer step (grpo and ppo: at the
     end of the rollout's updates). SIGKILL (sft): nothing saved then; the run continues from the latest complete
-    checkpoint of --save_every (every 6 steps), recomputing the lost steps."""
+    checkpoint of --save_every (every 6 steps), recomputing the lost steps. sft also continues a 2-process checkpoint on
+    1 process (same global batch): the same run to the split tolerance."""
     script, model, root, runs, reward = split_runs
     straight = runs[(2, 4, 1)]
     rl = script in RL
@@ -143,3 +144,13 @@ def test_sigterm_or_sigkill_then_resume_auto_continues_the_same_run(split_runs):
         assert UNTIMED(read_metrics(out)) == UNTIMED(read_metrics(straight)), message
         a, b = load_file(straight / "model.safetensors"), load_file(out / "model.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a), message
+    if script == "sft.py":  # the same run continued on 1 process (micro-batch 8): DCP reshards; equal to split tolerance
+        out = root / "one_process"
+        args = common_args(script, model, root / "small.jsonl", out) + ["--per_device_train_batch_size", 8, "--resume_from", straight / "checkpoints" / "step_6"]
+        result = run_script(script, args, nproc=1)
+        assert result.returncode == 0 and "resuming on 1 processes a run of 2" in result.stdout, result.stdout[-2000:] + result.stderr[-8000:]
+        rows, want = read_metrics(out), read_metrics(straight)[6:]
+        assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in want], rel=1e-4) and [r["step"] for r in rows] == list(range(7, 13))
+        a, b = load_file(straight / "model.safetensors"), load_file(out / "model.safetensors")
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-5, msg=name)
