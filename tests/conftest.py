@@ -26,9 +26,13 @@ def run_script(script, args, nproc=1, timeout=600, env=None):
     """Run a top-level script the way users do: `torchrun --nproc_per_node N script.py ...`, or `python script.py`
     for one process. Returns the CompletedProcess; its output is kept for the assertion messages."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run(launcher + [os.path.join(ROOT, script)] + [str(a) for a in args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+                          cwd=ROOT, env=script_env(env), capture_output=True, text=True, timeout=timeout)
+
+
+def script_env(extra=None):
+    """The environment of every script run here: one thread per process (2 processes share 2 cores), offline."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", **(extra or {})}
 
 
 def read_metrics(path):

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, read_metrics, run_script
+from conftest import ROOT, read_metrics, run_script, script_env
 from safetensors.torch import load_file
 
 # Three ways to split the same global batch of 8: (processes, micro-batch, accumulation steps). (1, 2, 4), accumulation
@@ -101,9 +101,8 @@ def interrupted_run(script, args, nproc, out, stop_after, kill):
     forwards the signal to every process) or SIGKILL the whole process group (a lost node: no chance to save).
     Returns the launcher's exit code and output."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), os.path.join(ROOT, script)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     log = open(out.parent / f"{out.name}.log", "w+")
-    process = subprocess.Popen(command + [str(a) for a in args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(command + [str(a) for a in args], cwd=ROOT, env=script_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 300
     while time.time() < deadline and process.poll() is None:
         if os.path.exists(out / "metrics.jsonl") and len(open(out / "metrics.jsonl").readlines()) >= stop_after:
