@@ -320,7 +320,7 @@ def guard_step(loss, grad_norm, step, args, skipped):
         return False, stop > 0
     raise FloatingPointError(
         f"step {step}: non-finite {what} (grad_norm {norm.item()}); the model was not updated with it. Last complete "
-        f"checkpoint: {latest_checkpoint(args.output_dir) or 'none (see --save_every)'}. Resume from it with a lower "
+        f"checkpoint: {(complete_checkpoints(args.output_dir) or ['none (see --save_every)'])[-1]}. Resume from it with a lower "
         "--learning_rate or --max_grad_norm, check this step's data, or pass --skip_nonfinite N to skip up to N such steps")
 
 
@@ -347,12 +347,12 @@ def complete_checkpoint(path):
         return None
 
 
-def latest_checkpoint(output_dir):
-    """The complete checkpoint of output_dir/checkpoints with the highest step (--resume_from auto), or None."""
+def complete_checkpoints(output_dir):
+    """The complete checkpoints of output_dir/checkpoints, oldest step first (--resume_from auto takes the last)."""
     root = os.path.join(output_dir, "checkpoints")
     found = [(manifest["step"], os.path.join(root, name)) for name in (os.listdir(root) if os.path.isdir(root) else [])
              if (manifest := complete_checkpoint(os.path.join(root, name)))]
-    return max(found)[1] if found else None
+    return [path for _, path in sorted(found)]
 
 
 def save_checkpoint(model, optimizer, scheduler, step, args, state):
@@ -381,9 +381,7 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state):
             os.fsync(f.fileno())
         shutil.rmtree(path, ignore_errors=True)  # a run restarted into the same output_dir overwrites its old step
         os.replace(f"{path}.tmp", path)
-        root = os.path.join(args.output_dir, "checkpoints")
-        complete = sorted((m["step"], os.path.join(root, n)) for n in os.listdir(root) if (m := complete_checkpoint(os.path.join(root, n))))
-        for _, old in complete[: -args.keep_last] if args.keep_last > 0 else []:
+        for old in complete_checkpoints(args.output_dir)[: -args.keep_last] if args.keep_last > 0 else []:
             shutil.rmtree(old)
     dist.barrier()
     return path
@@ -555,7 +553,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, request_stop)  # preemption: checkpoint at the next optimizer step, then leave
     signal.signal(signal.SIGINT, request_stop)
     if args.resume_from == "auto":
-        args.resume_from = latest_checkpoint(args.output_dir)  # None: nothing to continue, the run starts at step 0
+        args.resume_from = (complete_checkpoints(args.output_dir) or [None])[-1]  # None: nothing to continue, start at step 0
     args.world_size = world_size
     args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.batch_size = args.local_batch_size * world_size

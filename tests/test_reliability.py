@@ -166,23 +166,23 @@ def checkpointed(toy, tmp_path_factory):
 
 
 def test_keep_last_and_auto_never_picks_an_incomplete_checkpoint(checkpointed, toy, tmp_path):
-    from sft import complete_checkpoint, latest_checkpoint
+    from sft import complete_checkpoint, complete_checkpoints
 
     out = tmp_path / "run"
     shutil.copytree(checkpointed, out)
-    assert sorted(os.listdir(out / "checkpoints")) == ["step_4"] and latest_checkpoint(out) == str(out / "checkpoints" / "step_4")
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_4"] and complete_checkpoints(out) == [str(out / "checkpoints" / "step_4")]
     good = out / "checkpoints" / "step_4"
     # a save interrupted before the rename; one truncated after it (a shard cut short); one without its manifest
     shutil.copytree(good, out / "checkpoints" / "step_9.tmp")
     shutil.copytree(good, out / "checkpoints" / "step_8")
     json.dump({**json.load(open(good / "checkpoint.json")), "step": 8}, open(out / "checkpoints" / "step_8" / "checkpoint.json", "w"))
-    assert latest_checkpoint(out) == str(out / "checkpoints" / "step_8")  # the check itself accepts a whole copy
+    assert complete_checkpoints(out) == [str(good), str(out / "checkpoints" / "step_8")]  # the check itself accepts a whole copy
     shard = out / "checkpoints" / "step_8" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])
     shutil.copytree(good, out / "checkpoints" / "step_7")
     os.remove(out / "checkpoints" / "step_7" / "checkpoint.json")
     assert complete_checkpoint(out / "checkpoints" / "step_8") is None and complete_checkpoint(out / "checkpoints" / "step_7") is None
-    assert latest_checkpoint(out) == str(good)
+    assert complete_checkpoints(out) == [str(good)]
     error, _ = run_in_process("sft.py", script_args("sft.py", toy / "model", toy / "sft", out, None, "--max_steps", 4, "--resume_from", out / "checkpoints" / "step_8"))
     assert isinstance(error, ValueError) and "is not a complete checkpoint" in str(error)
 
