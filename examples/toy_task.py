@@ -151,9 +151,10 @@ if __name__ == "__main__":
     parser.add_argument("--eval", help="a causal LM folder to score by greedy exact match")
     parser.add_argument("--data", help="prompts file for --eval, prompts folder for --mistakes_of (prompt + answer columns)")
     parser.add_argument("--mistakes_of", help="a causal LM folder: write preference pairs on its sampled mistakes to --out")
+    parser.add_argument("--max_prompts", type=int, help="--mistakes_of: the first N prompts of each split only")
     args = parser.parse_args()
     if args.mistakes_of:
-        counts = write_mistake_pairs(args.mistakes_of, args.data, args.out, seed=args.seed)
+        counts = write_mistake_pairs(args.mistakes_of, args.data, args.out, max_prompts=args.max_prompts, seed=args.seed)
         print(f"wrote {args.out}: " + ", ".join(f"{split} {n} pairs from {m} prompts" for split, (n, m) in counts.items()))
     elif args.out:
         write_toy_task(args.out, args.seed)

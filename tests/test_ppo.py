@@ -192,7 +192,7 @@ def test_ppo_on_the_toy_task(toy, sft_model, reward_model, tmp_path):
     mini-batches): the value model learns (its loss falls), eval/scores is the reward of the greedy completions, and
     the metric vocabulary is all there. Measured here: exact match 0.680 -> 0.660 and greedy reward 0.281 -> 0.260,
     so no learning claim on the policy: with this reward model (toy/preference only) PPO did not raise exact match in
-    60-200 steps; with one also trained on the policy's own mistakes, 200 steps (4 minutes) raised it 0.680 -> 0.710
+    60-200 steps; with one also trained on the policy's own mistakes, 120 steps (141 s) raised it 0.680 -> 0.735
     (examples/quickstart.sh, bench/RESULTS.md)."""
     from toy_task import exact_match
 
