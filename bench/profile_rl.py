@@ -4,7 +4,7 @@ timers wrapped around what it calls (issue 8).
     torchrun --standalone --nproc_per_node 2 bench/profile_rl.py grpo.py --model_name_or_path ... [the script's args]
 
 Exclusive wall time per rank (a nested label is not counted in its parent), summed over the optimizer steps after
---skip (default 2, warm-up), divided by their number:
+the first PROFILE_SKIP (environment variable, default 2: warm-up), divided by their number:
   generation          HF generate (KV-cached sampling), parameters already gathered by the script
   forward no_grad X   a forward pass outside generate with gradients off, per model class (reference / old log-probs,
                       reward model, values)

@@ -30,6 +30,10 @@ def peak_memory(out, stage):
     return float(found[-1]) if found else None
 
 
+def cell(row, key, fmt):
+    return format(row[key], fmt) if row.get(key) is not None else ""
+
+
 def plot_curves(out):
     """One PNG, a panel per stage; None (with a message) when matplotlib is not installed."""
     try:
@@ -73,7 +77,6 @@ def report(out, toy):
         rows.append(row)
     rows.insert(3, {"stage": "on-policy pairs (the SFT model's mistakes)", "seconds": float(times["pairs"])})
     total, peak = float(times["total"]), max(r.get("peak_gib") or 0 for r in rows)
-    cell = lambda row, key, fmt: format(row[key], fmt) if row.get(key) is not None else ""  # noqa: E731
     table = ["| stage | exact match, toy test prompts | reward model: test pair accuracy | wall time | peak memory per process |",
              "|---|---|---|---|---|"]
     table += [f"| {r['stage']} | {cell(r, 'exact_match', '.3f')} | {cell(r, 'pair_accuracy', '.3f')} | {cell(r, 'seconds', '.0f')}"

@@ -33,7 +33,7 @@ def script_calls(path):
         words = shlex.split(line)
         at = [i for i, word in enumerate(words) if os.path.basename(word) in SCRIPTS]
         if at:
-            calls.append((os.path.basename(words[at[0]]), [w for w in words[at[0] + 1 :] if w != ";" and w != "}"]))
+            calls.append((os.path.basename(words[at[0]]), words[at[0] + 1 :]))
     return calls
 
 
