@@ -1,11 +1,14 @@
 """Our scripts against TRL 1.16 at equal settings, side by side on this machine (issue 8).
 
     python -m venv --system-site-packages .venv-bench && .venv-bench/bin/pip install -r bench/requirements.txt
-    .venv-bench/bin/python bench/compare_trl.py --out runs/bench --algos sft reward dpo grpo --repeats 2
+    .venv-bench/bin/python bench/compare_trl.py --out runs/bench --algos sft reward dpo grpo --repeats 2 \
+        --ours default no_reshard --trl equal checkpointing
 
 Offline: the toy task's data and byte-level tokenizer (examples/toy_task.py), and a ~27M-parameter Qwen2-family model
 with random weights (hidden 512, 8 layers). Both sides run with torchrun on --nproc processes, the same per-device
-batch, steps, lengths and number of generations, alternating ours, TRL, ours, TRL. Seconds per optimizer step: the
+batch, steps, lengths and number of generations, alternating ours, TRL, ours, TRL (each variant of each side once per
+repeat, see VARIANTS). TRL 1.16's configs turn gradient checkpointing on by default and ours do not, so the
+equal-settings TRL run is "equal", with it off; "checkpointing" is TRL as it comes. Seconds per optimizer step: the
 median gap between the ends of consecutive steps after the first 3 (ours: when each metrics.jsonl row appears, logged
 every step; TRL: a callback at each step's end). Memory: the peak resident set of the busiest process, as both print it.
 """
@@ -24,20 +27,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 
-def make_model(out):
-    """Qwen2 shape with 27M parameters, random weights, the toy tokenizer (258 tokens: EOS is rare, completions run long)."""
+# model shapes (Qwen2 family, random weights, the toy tokenizer): 27m for CPU; qwen2.5-0.5b, the real model's shape and
+# vocabulary size (the toy tokenizer uses 258 of its ids), for a GPU
+SHAPES = {"27m": dict(vocab_size=258, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8),
+          "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                               num_key_value_heads=2)}
+
+
+def make_model(out, shape):
+    """A Qwen2-shaped model with random weights and the toy byte tokenizer (EOS is rare: completions run long)."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     import torch
 
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(out, "toy", "model"))
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                         num_key_value_heads=8, max_position_embeddings=512, tie_word_embeddings=True,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=512, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
-    model.save_pretrained(os.path.join(out, "model27m"))
-    tokenizer.save_pretrained(os.path.join(out, "model27m"))
+    model.save_pretrained(os.path.join(out, f"model_{shape}"))
+    tokenizer.save_pretrained(os.path.join(out, f"model_{shape}"))
     return sum(p.numel() for p in model.parameters())
 
 
@@ -69,6 +78,11 @@ def run(command, step_file=None, metrics_file=None):
     return times, peak
 
 
+# extra flags per named variant: for our script, and for bench/trl_equivalent.py
+VARIANTS = {"ours": {"default": [], "no_reshard": ["--no-reshard_after_forward"]},
+            "trl": {"equal": [], "checkpointing": ["--gradient_checkpointing"]}}
+
+
 def seconds_per_step(times, skip=3):
     gaps = [b - a for a, b in zip(times, times[1:])][skip:]
     return statistics.median(gaps)
@@ -79,17 +93,20 @@ if __name__ == "__main__":
     parser.add_argument("--out", default="runs/bench")
     parser.add_argument("--algos", nargs="+", default=["sft", "reward", "dpo", "grpo"])
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--shape", default="27m", choices=list(SHAPES))
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--ours", nargs="+", default=["default"], choices=list(VARIANTS["ours"]))
+    parser.add_argument("--trl", nargs="+", default=["equal"], choices=list(VARIANTS["trl"]))
     args = parser.parse_args()
     out = os.path.abspath(args.out)
     if not os.path.exists(os.path.join(out, "toy")):
         from toy_task import write_toy_task
 
         write_toy_task(os.path.join(out, "toy"))
-    if not os.path.exists(os.path.join(out, "model27m")):
-        print(f"model: {make_model(out) / 1e6:.1f}M parameters")
-    model, toy = os.path.join(out, "model27m"), os.path.join(out, "toy")
+    model, toy = os.path.join(out, f"model_{args.shape}"), os.path.join(out, "toy")
+    if not os.path.exists(model):
+        print(f"model: {make_model(out, args.shape) / 1e6:.1f}M parameters")
     # per algorithm: (our script, data, our extra args, per-device batch); grpo: 16 completions per process per step =
     # 2 processes x 16 = 8 prompts x 4 generations, 32 new tokens at most, one iteration
     settings = {
@@ -106,23 +123,29 @@ if __name__ == "__main__":
     for algo in args.algos:
         script, data, extra, batch = settings[algo]
         data_file = os.path.join(toy, data, "train.jsonl")
-        results = {"ours": [], "trl": []}
+        results = {(side, name): [] for side in ("ours", "trl") for name in getattr(args, side)}
         for repeat in range(args.repeats):
-            ours_dir, trl_dir = os.path.join(out, f"{algo}_ours_{repeat}"), os.path.join(out, f"{algo}_trl_{repeat}")
-            for d in (ours_dir, trl_dir):
-                subprocess.run(["rm", "-rf", d])
-            ours = torchrun + [script, "--model_name_or_path", model, "--dataset_name", data_file, "--output_dir", ours_dir, "--max_steps", args.steps,
-                               "--per_device_train_batch_size", batch, "--learning_rate", 1e-5, "--lr_scheduler_type", "constant", "--log_every", 1,
-                               "--max_prompt_length", 128] + extra
-            times, peak = run([str(a) for a in ours], metrics_file=os.path.join(ours_dir, "metrics.jsonl"))
-            results["ours"].append((seconds_per_step(times), peak))
-            theirs = trl_run + ["bench/trl_equivalent.py", algo, "--model", model, "--data", data_file, "--output_dir", trl_dir, "--steps", args.steps,
-                                "--batch", batch]
-            times, peak = run([str(a) for a in theirs], step_file=os.path.join(trl_dir, "step_times.txt"))
-            results["trl"].append((seconds_per_step(times), peak))
-            print(algo, repeat, {k: v[-1] for k, v in results.items()}, flush=True)
-        row = {side: (statistics.median(s for s, _ in r), max(m for _, m in r)) for side, r in results.items()}
-        table[algo] = row
-        print(f"{algo}: ours {row['ours'][0]:.3f} s/step, {row['ours'][1]:.2f} GiB; TRL {row['trl'][0]:.3f} s/step, {row['trl'][1]:.2f} GiB; "
-              f"ratio {row['ours'][0] / row['trl'][0]:.2f} (time), {row['ours'][1] / row['trl'][1]:.2f} (memory)", flush=True)
+            for i in range(max(len(args.ours), len(args.trl))):  # ours, TRL, ours, TRL, ...
+                for side in ("ours", "trl"):
+                    if i >= len(getattr(args, side)):
+                        continue
+                    name = getattr(args, side)[i]
+                    run_dir = os.path.join(out, f"{algo}_{side}_{name}_{repeat}")
+                    subprocess.run(["rm", "-rf", run_dir])
+                    if side == "ours":
+                        command = torchrun + [script, "--model_name_or_path", model, "--dataset_name", data_file, "--output_dir", run_dir, "--max_steps", args.steps,
+                                              "--per_device_train_batch_size", batch, "--learning_rate", 1e-5, "--lr_scheduler_type", "constant", "--log_every", 1,
+                                              "--max_prompt_length", 128] + extra + VARIANTS[side][name]
+                        times, peak = run([str(a) for a in command], metrics_file=os.path.join(run_dir, "metrics.jsonl"))
+                    else:
+                        command = trl_run + ["bench/trl_equivalent.py", algo, "--model", model, "--data", data_file, "--output_dir", run_dir, "--steps", args.steps,
+                                             "--batch", batch] + VARIANTS[side][name]
+                        times, peak = run([str(a) for a in command], step_file=os.path.join(run_dir, "step_times.txt"))
+                    results[(side, name)].append((seconds_per_step(times), peak))
+                    print(algo, repeat, side, name, f"{results[(side, name)][-1][0]:.3f} s/step, {peak:.2f} GiB", flush=True)
+        rows = {f"{side} {name}": (statistics.median(s for s, _ in r), max(m for _, m in r)) for (side, name), r in results.items()}
+        table[algo] = rows
+        equal = rows.get("trl equal", next(v for k, v in rows.items() if k.startswith("trl")))  # checkpointing off, as ours
+        for name, (seconds, peak) in rows.items():
+            print(f"{algo} | {name} | {seconds:.3f} s/step | {peak:.2f} GiB | ratio to TRL equal {seconds / equal[0]:.2f} (time), {peak / equal[1]:.2f} (memory)", flush=True)
     json.dump(table, open(os.path.join(out, "compare_trl.json"), "w"), indent=1)

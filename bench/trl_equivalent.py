@@ -37,11 +37,13 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=8, help="per-device batch (grpo: completions per device per step)")
     parser.add_argument("--num_generations", type=int, default=4)
     parser.add_argument("--max_completion_length", type=int, default=32)
+    parser.add_argument("--gradient_checkpointing", action="store_true", help="TRL 1.16's default is on; ours is off, so off here too")
     args = parser.parse_args()
     os.makedirs(args.output_dir, exist_ok=True)
     common = dict(output_dir=args.output_dir, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1, max_steps=args.steps,
-                  learning_rate=1e-5, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none", bf16=False,
-                  seed=1, dataloader_num_workers=0, disable_tqdm=True, use_cpu=not torch.cuda.is_available())  # use_cpu: else no gloo DDP on CPU
+                  learning_rate=1e-5, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none", bf16=torch.cuda.is_available(),  # as ours: bf16 on GPU
+                  
+                  seed=1, dataloader_num_workers=0, gradient_checkpointing=args.gradient_checkpointing, disable_tqdm=True, use_cpu=not torch.cuda.is_available())  # use_cpu: else no gloo DDP on CPU
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     train = load_dataset("json", data_files=args.data, split="train")
     if args.algo == "sft":

@@ -44,7 +44,7 @@ def test_the_check_catches_a_drifted_copy():
 COMMON_FIELDS = ["exp_name", "seed", "track", "wandb_project_name", "wandb_entity", "output_dir", "model_name_or_path",
                  "dataset_name", "dataset_train_split", "dataset_test_split", "max_steps", "num_train_epochs", "learning_rate",
                  "lr_scheduler_type", "warmup_ratio", "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size",
-                 "max_grad_norm", "optimizer", "adam_epsilon", "weight_decay", "bf16", "gradient_checkpointing", "cpu_offload",
+                 "max_grad_norm", "optimizer", "adam_epsilon", "weight_decay", "bf16", "gradient_checkpointing", "cpu_offload", "reshard_after_forward",
                  "log_every", "eval_every", "save_every", "resume_from", "keep_last", "skip_nonfinite", "trust_remote_code"]
 
 

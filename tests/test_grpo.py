@@ -229,7 +229,9 @@ def test_generation_left_padding_and_eos():
 
 def test_generation_gathers_parameters_once(toy):
     """Inside `unsharded`, generating 8 tokens twice unshards each FSDP module once; without it, each layer once per
-    forward (control). The parameters are sharded again afterwards, and training works."""
+    forward (control). The parameters are sharded again afterwards, and training works. With keep
+    (--no-reshard_after_forward, layers sharded with reshard_after_forward=False) they stay gathered after the block:
+    the training forward and backward gather nothing, and the backward leaves the layers sharded."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -242,21 +244,30 @@ def test_generation_gathers_parameters_once(toy):
 
     try:
         FSDPParamGroup.unshard = counting_unshard
-        model = shard_model(AutoModelForCausalLM.from_pretrained(toy / "model"), SimpleNamespace(bf16=False, cpu_offload=False), torch.device("cpu"))
-        num_groups = 1 + model.config.num_hidden_layers
-        generate = lambda: generate_completions(model, [[70, 71, 72], [73]], 8, 1.0, eos_token_id=-1, pad_token_id=0)
-        with unsharded(model):
-            assert not any(isinstance(p, DTensor) for p in model.parameters())
-            completions = generate() + generate()
-        assert [len(c) for c in completions] == [8] * 4 and len(gathers) == num_groups
-        assert all(isinstance(p, DTensor) for p in model.parameters())
-        gathers.clear()
-        generate()
-        assert len(gathers) == 1 + (num_groups - 1) * 8  # control: each layer once per forward (FSDP2 keeps the root's)
-        # training still works after the block: a forward and backward with gradients on every parameter
-        ids = torch.tensor([[70, 71, 72, 73]])
-        model(input_ids=ids, labels=ids).loss.backward()
-        assert all(p.grad is not None for p in model.parameters())
+        for keep in (False, True):
+            args = SimpleNamespace(bf16=False, cpu_offload=False, reshard_after_forward=not keep)
+            model = shard_model(AutoModelForCausalLM.from_pretrained(toy / "model"), args, torch.device("cpu"))
+            num_groups = 1 + model.config.num_hidden_layers
+            generate = lambda: generate_completions(model, [[70, 71, 72], [73]], 8, 1.0, eos_token_id=-1, pad_token_id=0)
+            gathers.clear()
+            with unsharded(model, keep=keep):
+                assert not any(isinstance(p, DTensor) for p in model.parameters())
+                completions = generate() + generate()
+            assert [len(c) for c in completions] == [8] * 4 and len(gathers) == num_groups
+            sharded = [isinstance(p, DTensor) for p in model.parameters()]
+            assert not any(sharded) if keep else all(sharded)
+            gathers.clear()
+            ids = torch.tensor([[70, 71, 72, 73]])
+            if keep:  # training right after the block: nothing gathered again; the backward frees the layers
+                model(input_ids=ids, labels=ids).loss.backward()
+                assert gathers == [] and all(p.grad is not None for p in model.parameters())
+                assert all(isinstance(p, DTensor) for name, p in model.named_parameters() if ".layers." in name)
+                continue
+            generate()
+            assert len(gathers) == 1 + (num_groups - 1) * 8  # control: each layer once per forward (FSDP2 keeps the root's)
+            # training still works after the block: a forward and backward with gradients on every parameter
+            model(input_ids=ids, labels=ids).loss.backward()
+            assert all(p.grad is not None for p in model.parameters())
     finally:
         FSDPParamGroup.unshard = original
         dist.destroy_process_group()

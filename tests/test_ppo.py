@@ -190,7 +190,7 @@ def greedy_reward(policy, reward, prompts_file):
 def test_ppo_on_the_toy_task(toy, sft_model, reward_model, tmp_path):
     """From the toy SFT and reward models, 2 processes, 48 optimizer steps (12 rollouts of 256 prompts, 2 epochs x 2
     mini-batches): the value model learns (its loss falls), eval/scores is the reward of the greedy completions, and
-    the metric vocabulary is all there. Measured here: exact match 0.680 -> 0.660 and greedy reward 0.281 -> 0.260,
+    the metric vocabulary is all there. Measured here: exact match 0.680 -> 0.655 and greedy reward 1.433 -> 1.286,
     so no learning claim on the policy: with this reward model (toy/preference only) PPO did not raise exact match in
     60-200 steps; with one also trained on the policy's own mistakes, 120 steps (141 s) raised it 0.680 -> 0.735
     (examples/quickstart.sh, bench/RESULTS.md)."""
@@ -208,7 +208,7 @@ def test_ppo_on_the_toy_task(toy, sft_model, reward_model, tmp_path):
     print(f"greedy exact match: SFT {before[0]:.3f} -> PPO {after[0]:.3f}; greedy reward {before[1]:.3f} -> {after[1]:.3f}; "
           f"value loss {rows[0]['loss/value_avg']:.3f} -> {rows[-1]['loss/value_avg']:.3f}")
     assert after[1] == pytest.approx(greedy_reward(out, reward_model[0], test_file), abs=1e-4)  # eval/scores is that
-    assert rows[-1]["loss/value_avg"] < 0.7 * rows[0]["loss/value_avg"]  # measured 0.94 -> 0.52
+    assert rows[-1]["loss/value_avg"] < 0.7 * rows[0]["loss/value_avg"]  # measured 27.4 -> 12.9 (raw reward-model scores)
     for key in ["loss", "lr", "grad_norm", "episode", "tokens_per_second", "objective/scores", "objective/kl", "objective/kl_coef",
                 "objective/entropy", "objective/rlhf_reward", "objective/non_score_reward", "policy/approxkl_avg", "policy/clipfrac_avg",
                 "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var", "val/ratio_max", "val/ratio_min",

@@ -1,5 +1,5 @@
 """The training-loop invariants of DESIGN.md, for every script (sft.py, reward.py, dpo.py, grpo.py, ppo.py): the same
-global batch split three ways gives the same losses and weights; the LR schedule is exact and ends at the last optimizer
+global batch split three ways gives the same losses and weights (the third also with --no-reshard_after_forward); the LR schedule is exact and ends at the last optimizer
 step; a run stopped by SIGTERM or SIGKILL and resumed with --resume_from auto continues bit for bit. grpo.py and ppo.py sample their own data: their rollouts do
 not depend on the number of processes (generation chunks are seeded by rollout and chunk), so the same comparisons hold."""
 
@@ -52,6 +52,8 @@ def split_runs(request, toy, tmp_path_factory):
     for nproc, mb, ga in SPLITS:
         out = root / f"{nproc}x{mb}x{ga}"
         args = common_args(script, model, root / "small.jsonl", out) + reward + ["--per_device_train_batch_size", mb, "--gradient_accumulation_steps", ga, "--save_every", 6]
+        if ga > 1:  # parameters kept gathered from forward to backward (and, grpo/ppo, from generation on): the same run
+            args.append("--no-reshard_after_forward")
         result = run_script(script, args, nproc=nproc)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
         assert "no split 'test': eval skipped" in result.stdout
