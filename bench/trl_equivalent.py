@@ -41,8 +41,8 @@ if __name__ == "__main__":
     args = parser.parse_args()
     os.makedirs(args.output_dir, exist_ok=True)
     common = dict(output_dir=args.output_dir, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1, max_steps=args.steps,
-                  learning_rate=1e-5, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none", bf16=torch.cuda.is_available(),  # as ours: bf16 on GPU
-                  
+                  learning_rate=1e-5, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
+                  bf16=torch.cuda.is_available(),  # as ours: bf16 compute on GPU, fp32 on CPU
                   seed=1, dataloader_num_workers=0, gradient_checkpointing=args.gradient_checkpointing, disable_tqdm=True, use_cpu=not torch.cuda.is_available())  # use_cpu: else no gloo DDP on CPU
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     train = load_dataset("json", data_files=args.data, split="train")
