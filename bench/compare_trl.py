@@ -28,10 +28,13 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 
 # model shapes (Qwen2 family, random weights, the toy tokenizer): 27m for CPU; qwen2.5-0.5b, the real model's shape and
-# vocabulary size (the toy tokenizer uses 258 of its ids), for a GPU
-SHAPES = {"27m": dict(vocab_size=258, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8),
+# vocabulary size (the toy tokenizer uses 258 of its ids), for a GPU; tiny, bench/gpu.py's dry run
+SHAPES = {"27m": dict(vocab_size=258, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                      max_position_embeddings=512),
           "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                               num_key_value_heads=2)}
+                               num_key_value_heads=2, max_position_embeddings=32768),
+          "tiny": dict(vocab_size=261, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=512)}
 
 
 def make_model(out, shape):
@@ -41,8 +44,7 @@ def make_model(out, shape):
     import torch
 
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(out, "toy", "model"))
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=512, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = Qwen2Config(**SHAPES[shape], tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(os.path.join(out, f"model_{shape}"))
@@ -50,8 +52,9 @@ def make_model(out, shape):
     return sum(p.numel() for p in model.parameters())
 
 
-def run(command, step_file=None, metrics_file=None):
-    """Run a torchrun command; return the end time of every step and the printed peak memory (GiB)."""
+def run(command, step_file=None, metrics_file=None, timeout=None, log_file=None):
+    """Run a torchrun command; return the end time of every step and the printed peak memory (GiB): GPU allocations
+    on a GPU, else the resident set. log_file: where its output goes as well."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     arrivals, done = [], threading.Event()
 
@@ -67,14 +70,19 @@ def run(command, step_file=None, metrics_file=None):
     watcher = threading.Thread(target=watch) if metrics_file else None
     if watcher:
         watcher.start()
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    done.set()
-    if watcher:
-        watcher.join()
+    try:
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    finally:
+        done.set()
+        if watcher:
+            watcher.join()
+    if log_file:
+        with open(log_file, "w") as f:
+            f.write(" ".join(command) + "\n" + result.stdout + result.stderr)
     if result.returncode != 0:
         raise RuntimeError(" ".join(command) + "\n" + result.stdout[-3000:] + result.stderr[-5000:])
     times = arrivals if metrics_file else [float(t.split()[0]) for t in open(step_file)]
-    peak = float(re.search(r"peak CPU RSS memory per process ([\d.]+) GiB", result.stdout).group(1))
+    peak = float(re.search(r"peak (?:GPU|CPU RSS) memory per process ([\d.]+) GiB", result.stdout).group(1))
     return times, peak
 
 

@@ -13,11 +13,14 @@ the first PROFILE_SKIP (environment variable, default 2: warm-up), divided by th
   fsdp all-gather / fsdp reduce-scatter   the collectives FSDP2 issues, waited for
   optimizer step, grad clip, script all_reduce   the rest of the step that the script calls
   other               the remainder of the step: data, padding, losses, statistics, Python
+On a GPU every label's edges wait for the GPU (torch.cuda.synchronize), so its work is counted where it was issued;
+PROFILE_JSON=path also writes rank 0's seconds per step by label as JSON.
 """
 
 import collections
 import contextlib
 import functools
+import json
 import os
 import runpy
 import sys
@@ -33,9 +36,19 @@ state = {"steps": 0, "counting": False, "start": None, "end": None, "at_end": {}
 SKIP = int(os.environ.get("PROFILE_SKIP", "2"))
 
 
+SYNC = torch.cuda.is_available()  # GPU work is asynchronous: wait for it at every label's edges, so it is counted where
+# it was issued (generate already waits once per token; a forward or backward would otherwise be charged to the next wait)
+
+
+def clock():
+    if SYNC:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 @contextlib.contextmanager
 def timed(label):
-    now = time.perf_counter()
+    now = clock()
     if stack:  # pause the parent
         parent, since = stack[-1]
         if state["counting"]:
@@ -44,7 +57,7 @@ def timed(label):
     try:
         yield
     finally:
-        now = time.perf_counter()
+        now = clock()
         label, since = stack.pop()
         if state["counting"]:
             totals[label] += now - since
@@ -88,12 +101,12 @@ wrap(_fsdp_param_group, "foreach_reduce", lambda *a: "fsdp reduce-scatter")
 
 
 def step_pre_hook(optimizer, args, kwargs):
-    stack.append(["optimizer step", time.perf_counter()])
+    stack.append(["optimizer step", clock()])
 
 
 def step_post_hook(optimizer, args, kwargs):
     label, since = stack.pop()
-    now = time.perf_counter()
+    now = clock()
     if state["counting"]:
         totals[label] += now - since
     state["steps"] += 1
@@ -119,6 +132,10 @@ def report():
     other = wall - sum(totals.values())
     lines.append(f"  {'other':48s} {other / steps:8.3f} s  {100 * other / wall:5.1f} %")
     print("\n".join(lines), flush=True)
+    if os.environ.get("PROFILE_JSON") and rank == "0":  # seconds per step by label, for bench/gpu.py
+        with open(os.environ["PROFILE_JSON"], "w") as f:
+            json.dump({"steps": steps, "seconds_per_step": wall / steps, "other": other / steps,
+                       **{label: seconds / steps for label, seconds in totals.items()}}, f, indent=1)
 
 
 script = sys.argv[1]
