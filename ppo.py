@@ -12,6 +12,7 @@ Run:  torchrun --nproc_per_node 2 ppo.py --model_name_or_path runs/sft --reward_
           --dataset_name trl-lib/tldr --max_completion_length 53 --optimizer adam_tf --adam_epsilon 1e-5 --track
 """
 
+import collections
 import contextlib
 import json
 import math
@@ -140,6 +141,9 @@ class Args:
     """completions per process per generation call and per forward pass without gradients in a rollout"""
     temperature: float = 0.7
     """sampling temperature; log-probs are computed from logits / temperature, the distribution sampled from"""
+    cache_implementation: Literal["dynamic", "static"] = "dynamic"
+    """generation's KV cache. static: allocated once, and on a GPU HF compiles the decoding step (torch.compile: about
+    30 s per new batch shape; 3.3x the samples/s of dynamic at Qwen2.5-0.5B's shape on an H100, bench/RESULTS.md)"""
     reward_model_path: str = "runs/reward"
     """the reward model folder written by reward.py (same tokenizer as the policy)"""
     value_model_path: Optional[str] = None
@@ -407,7 +411,7 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state):
 # arguments that may change when a run resumes: where it logs, how often, and how the same global batch is split
 RESUMABLE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "resume_from", "log_every", "eval_every", "save_every",
              "keep_last", "skip_nonfinite", "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size",
-             "local_rollout_forward_batch_size", "gradient_checkpointing", "cpu_offload", "reshard_after_forward", "world_size", "local_batch_size"}
+             "local_rollout_forward_batch_size", "cache_implementation", "gradient_checkpointing", "cpu_offload", "reshard_after_forward", "world_size", "local_batch_size"}
 
 
 class CheckpointReader(dcp.FileSystemReader):
@@ -550,32 +554,43 @@ def tokenize_prompts(dataset, tokenizer, args, answer_column=None):
 def unsharded(model, keep=False):
     """Every FSDP2 parameter gathered once for the whole block: generation runs one forward per new token, and FSDP2
     would otherwise all-gather every layer again for each one. No forward in the block is then a collective, so ranks
-    may generate different numbers of tokens. keep (--no-reshard_after_forward): still gathered after the block, so
-    the next forward needs no all-gather; the backward frees them."""
+    may generate different numbers of tokens. FSDP2's forward hooks are set aside meanwhile: with everything gathered
+    they have nothing to do, yet they ran at every module for every token (a third of a GRPO step on an H100,
+    bench/RESULTS.md) and would split a compiled graph. keep (--no-reshard_after_forward): still gathered after the
+    block, so the next forward needs no all-gather; the backward frees them."""
     fsdp_modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    hooks = [(module._forward_pre_hooks, module._forward_hooks) for module in fsdp_modules]
     for module in fsdp_modules:
         module.unshard()
         module.set_reshard_after_forward(False, recurse=False)
+        module._forward_pre_hooks, module._forward_hooks = collections.OrderedDict(), collections.OrderedDict()
     try:
         yield
     finally:
-        for module in fsdp_modules:
+        for module, (pre_hooks, post_hooks) in zip(fsdp_modules, hooks):
+            module._forward_pre_hooks, module._forward_hooks = pre_hooks, post_hooks
             if not keep:
                 module.set_reshard_after_forward(module is not model, recurse=False)  # as shard_model left it
                 module.reshard()
 
 
 @torch.no_grad()
-def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_id, pad_token_id):
+def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_id, pad_token_id, cache="dynamic"):
     """One completion per prompt (lists of token ids) with HF generate: sampled from softmax(logits / temperature), or
-    greedy if temperature is None. Each completion is cut after its first EOS; one without EOS is truncated."""
+    greedy if temperature is None. Each completion is cut after its first EOS; one without EOS is truncated. cache:
+    --cache_implementation; static pads the prompts to a multiple of 64 tokens, so that widths share a compiled step."""
     device = next(model.parameters()).device
     input_ids, attention_mask = pad(prompts, pad_token_id, "left").to(device), pad([[1] * len(p) for p in prompts], 0, "left").to(device)
+    if cache == "static":
+        extra = -input_ids.shape[1] % 64
+        input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad_token_id)
+        attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0), value=0)
     # Sample from exactly the distribution the log-probs are computed from: generate fills every option left unset
     # from the model folder's generation_config (Qwen's sets top_k 20, top_p 0.8, repetition_penalty 1.05), and its
     # global default top_k is 50, so swap in a blank config and turn top_k off.
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature is not None else {"do_sample": False}
-    config = GenerationConfig(**sampling, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    config = GenerationConfig(**sampling, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                              cache_implementation=None if cache == "dynamic" else cache)
     folder_config, model.generation_config, was_training = model.generation_config, GenerationConfig(), model.training
     model.eval()  # gradient checkpointing acts in training mode only, and there it turns the KV cache off
     try:  # position ids: generate derives them from the attention mask itself. synced_gpus: HF would all-reduce a
@@ -779,7 +794,8 @@ if __name__ == "__main__":
         with unsharded(model, keep=not args.reshard_after_forward):
             for rows, valid in rank_micro_batches(len(test["prompt"]), rank, world_size, args.per_device_eval_batch_size):
                 prompts = [test["prompt"][i] for i in rows]
-                completions = generate_completions(model, prompts, args.max_completion_length, None, stop_token_id, pad_token_id)
+                completions = generate_completions(model, prompts, args.max_completion_length, None, stop_token_id, pad_token_id,
+                                                   args.cache_implementation)
                 input_ids, attention_mask, _ = [t.to(device) for t in make_batch(prompts, completions, pad_token_id)]
                 scores = penalised_scores(sequence_scores(reward_model, input_ids, attention_mask), completions, stop_token_id, args.missing_eos_penalty)[0]
                 total += valid * scores.sum()
@@ -810,7 +826,8 @@ if __name__ == "__main__":
             for chunk, start in enumerate(range(0, N, S)):
                 if chunk % world_size == rank:
                     torch.manual_seed((args.seed * 100_003 + rollout) * 100_003 + chunk)
-                    chunk_completions = generate_completions(model, prompts[start : start + S], C, args.temperature, stop_token_id, pad_token_id)
+                    chunk_completions = generate_completions(model, prompts[start : start + S], C, args.temperature, stop_token_id, pad_token_id,
+                                                             args.cache_implementation)
                     for i, completion in enumerate(chunk_completions, start):
                         completion_ids[i, : len(completion)] = torch.tensor(completion)
                         lengths[i] = len(completion)

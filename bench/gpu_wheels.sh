@@ -11,9 +11,10 @@ version() { python -c "import importlib.metadata as m; print(m.version('$1'))"; 
 rm -rf .whl
 mkdir -p .whl
 python -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl "datasets==$(version datasets)" "tyro==$(version tyro)" "trl==${TRL_VERSION:-1.16.0}" "dill==$(version dill)" \
-    "multiprocess==$(version multiprocess)" "docstring_parser==$(version docstring_parser)" "typeguard==$(version typeguard)" \
-    "pyarrow==$(version pyarrow)" "fsspec==$(version fsspec)" "xxhash==$(version xxhash)"
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl "trl==${TRL_VERSION:-1.16.0}" "datasets==$(version datasets)" \
+    "tyro==$(version tyro)" "dill==$(version dill)" "multiprocess==$(version multiprocess)" \
+    "docstring_parser==$(version docstring_parser)" "typeguard==$(version typeguard)" "pyarrow==$(version pyarrow)" \
+    "fsspec==$(version fsspec)" "xxhash==$(version xxhash)"
 ls -1 .whl
 du -sh .whl

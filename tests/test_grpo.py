@@ -2,6 +2,7 @@
 surrogate against hand-computed cases, advantages, verifiers on real GSM8K solutions, generation (the distribution
 sampled from, left padding, EOS, parameters gathered once), and the script run the way users run it."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -225,6 +226,52 @@ def test_generation_left_padding_and_eos():
     for completion, full in zip(cut, alone):
         assert completion == (full[: full.index(eos) + 1] if eos in full else full)
     assert 1 < len(cut[2]) < 8 and any(len(c) == 8 for c in cut)  # cut after the first EOS, not the last; others whole
+
+
+def test_generation_runs_without_fsdp_hooks_and_matches_the_plain_model(toy):
+    """Inside `unsharded`, FSDP2's forward hooks are set aside (everything is gathered: they have nothing to do, and
+    on a GPU they cost a third of a GRPO step); the FSDP model then generates what the same model without FSDP
+    generates, greedy and sampled with one seed, and afterwards the very same hooks are back."""
+    from torch.distributed.fsdp import FSDPModule
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        plain = AutoModelForCausalLM.from_pretrained(toy / "model").eval()
+        args = SimpleNamespace(bf16=False, cpu_offload=False, reshard_after_forward=True)
+        model = shard_model(AutoModelForCausalLM.from_pretrained(toy / "model"), args, torch.device("cpu"))
+        fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        hooks = [(list(m._forward_pre_hooks.values()), list(m._forward_hooks.values())) for m in fsdp_modules]
+        assert all(pre and post for pre, post in hooks)
+        prompts = [[70, 71, 72], [73]]
+        outputs = {}
+        for name, net in (("fsdp", model), ("plain", plain)):
+            with unsharded(model) if name == "fsdp" else contextlib.nullcontext():
+                if name == "fsdp":
+                    assert not any(m._forward_pre_hooks or m._forward_hooks for m in fsdp_modules)
+                torch.manual_seed(3)
+                outputs[name] = [generate_completions(net, prompts, 8, t, eos_token_id=-1, pad_token_id=0) for t in (None, 1.0)]
+        assert outputs["fsdp"] == outputs["plain"]
+        assert [(list(m._forward_pre_hooks.values()), list(m._forward_hooks.values())) for m in fsdp_modules] == hooks
+    finally:
+        dist.destroy_process_group()
+
+
+def test_static_cache_generates_what_the_dynamic_one_does(toy):
+    """--cache_implementation static reaches generate (and the prompts are padded to a multiple of 64 tokens, one
+    compiled step for many widths); the greedy completions are those of the default dynamic cache."""
+    model = AutoModelForCausalLM.from_pretrained(toy / "model").eval()
+    seen, original = [], model.generate
+
+    def spy(**kwargs):
+        seen.append((kwargs["generation_config"].cache_implementation, kwargs["input_ids"].shape[1]))
+        return original(**kwargs)
+
+    model.generate = spy
+    prompts = [[70 + i for i in range(n)] for n in (3, 9, 5)]
+    dynamic = generate_completions(model, prompts, 10, None, eos_token_id=-1, pad_token_id=0)
+    static = generate_completions(model, prompts, 10, None, eos_token_id=-1, pad_token_id=0, cache="static")
+    assert seen == [(None, 9), ("static", 64)]
+    assert static == dynamic and all(len(c) == 10 for c in static)
 
 
 def test_generation_gathers_parameters_once(toy):
