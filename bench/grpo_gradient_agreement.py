@@ -3,20 +3,35 @@ on 4 disjoint sets of 64 training prompts x 8 samples; prints their pairwise cos
 
     python bench/grpo_gradient_agreement.py SFT_DIR 1.0     # model folder, temperature (run from the repository root)
 """
+
 import json
 import sys
 
 import torch
 from types import SimpleNamespace
+
 sys.path.insert(0, ".")  # run from the repository root: grpo.py is imported
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from grpo import generate_completions, group_advantages, grpo_loss, loss_normaliser, make_batch, completion_logprobs, verifier_reward
+from grpo import (
+    generate_completions,
+    group_advantages,
+    grpo_loss,
+    loss_normaliser,
+    make_batch,
+    completion_logprobs,
+    verifier_reward,
+)
+
 torch.set_num_threads(2)
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 rows = [json.loads(l) for l in open("toy/prompts/train.jsonl")]
-args = SimpleNamespace(epsilon=0.2, epsilon_high=0.2, beta=0.0, kl_estimator="k3", loss_type="token", max_completion_length=10)
+args = SimpleNamespace(
+    epsilon=0.2, epsilon_high=0.2, beta=0.0, kl_estimator="k3", loss_type="token", max_completion_length=10
+)
 T = float(sys.argv[2])
+
+
 def grad(prompt_rows, seed):
     torch.manual_seed(seed)
     prompts = [tok(rows[i]["prompt"])["input_ids"] for i in prompt_rows for _ in range(8)]
@@ -31,6 +46,8 @@ def grad(prompt_rows, seed):
     loss, _, _ = grpo_loss(lp, lp.detach(), None, adv, cm.float(), loss_normaliser(cm.float(), args), args)
     loss.backward()
     return torch.cat([p.grad.flatten() for p in model.parameters()]).clone(), r.mean().item()
+
+
 gs = [grad(range(k * 64, (k + 1) * 64), k) for k in range(4)]
 for i in range(4):
     print([round(torch.nn.functional.cosine_similarity(gs[i][0], gs[j][0], 0).item(), 3) for j in range(4)], gs[i][1])

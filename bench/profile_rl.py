@@ -37,7 +37,7 @@ SKIP = int(os.environ.get("PROFILE_SKIP", "2"))
 
 
 SYNC = torch.cuda.is_available()  # GPU work is asynchronous: wait for it at every label's edges, so it is counted where
-# it was issued (generate already waits once per token; a forward or backward would otherwise be charged to the next wait)
+# it was issued (generate already waits once per token; a forward or backward would be charged to the next wait)
 
 
 def clock():
@@ -134,8 +134,16 @@ def report():
     print("\n".join(lines), flush=True)
     if os.environ.get("PROFILE_JSON") and rank == "0":  # seconds per step by label, for bench/gpu.py
         with open(os.environ["PROFILE_JSON"], "w") as f:
-            json.dump({"steps": steps, "seconds_per_step": wall / steps, "other": other / steps,
-                       **{label: seconds / steps for label, seconds in totals.items()}}, f, indent=1)
+            json.dump(
+                {
+                    "steps": steps,
+                    "seconds_per_step": wall / steps,
+                    "other": other / steps,
+                    **{label: seconds / steps for label, seconds in totals.items()},
+                },
+                f,
+                indent=1,
+            )
 
 
 script = sys.argv[1]

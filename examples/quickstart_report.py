@@ -16,8 +16,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from toy_task import exact_match  # noqa: E402
 
 # stage folder -> (row label, metric plotted against the optimizer step)
-STAGES = {"sft": ("SFT", "loss"), "reward": ("reward model", "loss"), "dpo": ("DPO (+RPO, on-policy pairs)", "loss"),
-          "grpo": ("GRPO (exact-match verifier)", "objective/scores"), "ppo": ("PPO (reward model)", "objective/scores")}
+STAGES = {
+    "sft": ("SFT", "loss"),
+    "reward": ("reward model", "loss"),
+    "dpo": ("DPO (+RPO, on-policy pairs)", "loss"),
+    "grpo": ("GRPO (exact-match verifier)", "objective/scores"),
+    "ppo": ("PPO (reward model)", "objective/scores"),
+}
 
 
 def read_rows(out, stage):
@@ -26,7 +31,10 @@ def read_rows(out, stage):
 
 def peak_memory(out, stage):
     """The peak resident memory per process that the stage's script printed at the end (GiB), or None."""
-    found = re.findall(r"peak \S+ (?:RSS )?memory per process ([\d.]+) GiB", open(os.path.join(out, f"{stage}.log"), errors="replace").read())
+    found = re.findall(
+        r"peak \S+ (?:RSS )?memory per process ([\d.]+) GiB",
+        open(os.path.join(out, f"{stage}.log"), errors="replace").read(),
+    )
     return float(found[-1]) if found else None
 
 
@@ -77,14 +85,23 @@ def report(out, toy):
         rows.append(row)
     rows.insert(3, {"stage": "on-policy pairs (the SFT model's mistakes)", "seconds": float(times["pairs"])})
     total, peak = float(times["total"]), max(r.get("peak_gib") or 0 for r in rows)
-    table = ["| stage | exact match, toy test prompts | reward model: test pair accuracy | wall time | peak memory per process |",
-             "|---|---|---|---|---|"]
-    table += [f"| {r['stage']} | {cell(r, 'exact_match', '.3f')} | {cell(r, 'pair_accuracy', '.3f')} | {cell(r, 'seconds', '.0f')}"
-              f"{' s' if 'seconds' in r else ''} | {cell(r, 'peak_gib', '.2f')}{' GiB' if r.get('peak_gib') else ''} |" for r in rows]
+    table = [
+        "| stage | exact match, toy test prompts | reward model: test pair accuracy | wall time "
+        "| peak memory per process |",
+        "|---|---|---|---|---|",
+    ]
+    table += [
+        f"| {r['stage']} | {cell(r, 'exact_match', '.3f')} | {cell(r, 'pair_accuracy', '.3f')} "
+        f"| {cell(r, 'seconds', '.0f')}"
+        f"{' s' if 'seconds' in r else ''} | {cell(r, 'peak_gib', '.2f')}{' GiB' if r.get('peak_gib') else ''} |"
+        for r in rows
+    ]
     table.append(f"| **total** | | | **{total:.0f} s** | {peak:.2f} GiB |")
     text = "\n".join(table)
     open(os.path.join(out, "results.md"), "w").write(text + "\n")
-    json.dump({"rows": rows, "total_seconds": total, "peak_gib": peak}, open(os.path.join(out, "results.json"), "w"), indent=1)
+    json.dump(
+        {"rows": rows, "total_seconds": total, "peak_gib": peak}, open(os.path.join(out, "results.json"), "w"), indent=1
+    )
     print("\n" + text + "\n")
     plot_curves(out)
 

@@ -3,7 +3,7 @@ standard formats, deterministically and in seconds, so every script runs (and is
 
     python examples/toy_task.py --out toy              # toy/model, toy/sft, toy/preference, toy/prompts
     python examples/toy_task.py --eval runs/sft --data toy/prompts/test.jsonl   # greedy exact-match accuracy
-    python examples/toy_task.py --mistakes_of runs/sft --data toy/prompts --out runs/pairs   # pairs on a model's own mistakes
+    python examples/toy_task.py --mistakes_of runs/sft --data toy/prompts --out runs/pairs  # pairs on its own mistakes
 
 Task: prompt "sort: 31415 ->", completion " 11345" (then EOS). The answer is checkable, so RL scripts can use an
 exact-match verifier, and preference pairs are (correct, plausible mistake).
@@ -73,9 +73,18 @@ def write_toy_task(out, seed=0, num_train=4000, num_test=200):
     tok.save_pretrained(f"{out}/model")
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=True, attention_dropout=0.0,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
     )
     Qwen2ForCausalLM(config).save_pretrained(f"{out}/model")
     # tokenizer check: what AutoTokenizer reloads must give the ids of the tokenizer we built
@@ -96,8 +105,10 @@ def write_toy_task(out, seed=0, num_train=4000, num_test=200):
             train.append((prompt, completion))
     for split, pairs in (("train", train), ("test", test)):
         write_jsonl(f"{out}/sft/{split}.jsonl", [{"prompt": p, "completion": c} for p, c in pairs])
-        write_jsonl(f"{out}/preference/{split}.jsonl",
-                    [{"prompt": p, "chosen": c, "rejected": mistake(rng, c)} for p, c in pairs])
+        write_jsonl(
+            f"{out}/preference/{split}.jsonl",
+            [{"prompt": p, "chosen": c, "rejected": mistake(rng, c)} for p, c in pairs],
+        )
         write_jsonl(f"{out}/prompts/{split}.jsonl", [{"prompt": p, "answer": c.strip()} for p, c in pairs])
 
 
@@ -118,7 +129,9 @@ def exact_match(model_dir, data_file, max_new_tokens=12, batch_size=100):
 
 
 @torch.no_grad()
-def write_mistake_pairs(model_dir, prompts_dir, out, num_samples=4, temperature=1.0, max_prompts=None, seed=0, batch_size=250):
+def write_mistake_pairs(
+    model_dir, prompts_dir, out, num_samples=4, temperature=1.0, max_prompts=None, seed=0, batch_size=250
+):
     """Preference pairs on a model's own mistakes (on-policy negatives): sample `num_samples` completions per prompt at
     `temperature`; chosen = the right answer, rejected = the first wrong sample. Prompts the model never gets wrong give
     no pair. DPO on these targets what this model actually gets wrong (the fixed toy/preference mistakes do not)."""
@@ -132,13 +145,25 @@ def write_mistake_pairs(model_dir, prompts_dir, out, num_samples=4, temperature=
         for i in range(0, len(rows), batch_size):
             batch = rows[i : i + batch_size]
             enc = tok([r["prompt"] for r in batch], return_tensors="pt", padding=True)
-            out_ids = model.generate(**enc, max_new_tokens=12, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                                     num_return_sequences=num_samples, pad_token_id=tok.pad_token_id)
+            out_ids = model.generate(
+                **enc,
+                max_new_tokens=12,
+                do_sample=True,
+                temperature=temperature,
+                top_k=0,
+                top_p=1.0,
+                num_return_sequences=num_samples,
+                pad_token_id=tok.pad_token_id,
+            )
             texts = tok.batch_decode(out_ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
             for j, r in enumerate(batch):
-                wrong = [t for t in texts[j * num_samples : (j + 1) * num_samples] if t.strip() != r["answer"] and t.strip()]
+                wrong = [
+                    t for t in texts[j * num_samples : (j + 1) * num_samples] if t.strip() != r["answer"] and t.strip()
+                ]
                 if wrong:
-                    pairs.append({"prompt": r["prompt"], "chosen": " " + r["answer"], "rejected": " " + wrong[0].strip()})
+                    pairs.append(
+                        {"prompt": r["prompt"], "chosen": " " + r["answer"], "rejected": " " + wrong[0].strip()}
+                    )
         write_jsonl(f"{out}/{split}.jsonl", pairs)
         counts[split] = (len(pairs), len(rows))
     return counts
@@ -149,13 +174,21 @@ if __name__ == "__main__":
     parser.add_argument("--out", help="folder to write the toy task to")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval", help="a causal LM folder to score by greedy exact match")
-    parser.add_argument("--data", help="prompts file for --eval, prompts folder for --mistakes_of (prompt + answer columns)")
-    parser.add_argument("--mistakes_of", help="a causal LM folder: write preference pairs on its sampled mistakes to --out")
+    parser.add_argument(
+        "--data", help="prompts file for --eval, prompts folder for --mistakes_of (prompt + answer columns)"
+    )
+    parser.add_argument(
+        "--mistakes_of", help="a causal LM folder: write preference pairs on its sampled mistakes to --out"
+    )
     parser.add_argument("--max_prompts", type=int, help="--mistakes_of: the first N prompts of each split only")
     args = parser.parse_args()
     if args.mistakes_of:
-        counts = write_mistake_pairs(args.mistakes_of, args.data, args.out, max_prompts=args.max_prompts, seed=args.seed)
-        print(f"wrote {args.out}: " + ", ".join(f"{split} {n} pairs from {m} prompts" for split, (n, m) in counts.items()))
+        counts = write_mistake_pairs(
+            args.mistakes_of, args.data, args.out, max_prompts=args.max_prompts, seed=args.seed
+        )
+        print(
+            f"wrote {args.out}: " + ", ".join(f"{split} {n} pairs from {m} prompts" for split, (n, m) in counts.items())
+        )
     elif args.out:
         write_toy_task(args.out, args.seed)
         print(f"wrote {args.out}/model, {args.out}/sft, {args.out}/preference, {args.out}/prompts")

@@ -25,14 +25,31 @@ def toy(tmp_path_factory):
 def run_script(script, args, nproc=1, timeout=600, env=None):
     """Run a top-level script the way users do: `torchrun --nproc_per_node N script.py ...`, or `python script.py`
     for one process. Returns the CompletedProcess; its output is kept for the assertion messages."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
-    return subprocess.run(launcher + [os.path.join(ROOT, script)] + [str(a) for a in args],
-                          cwd=ROOT, env=script_env(env), capture_output=True, text=True, timeout=timeout)
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+        if nproc > 1
+        else [sys.executable]
+    )
+    return subprocess.run(
+        launcher + [os.path.join(ROOT, script)] + [str(a) for a in args],
+        cwd=ROOT,
+        env=script_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def script_env(extra=None):
     """The environment of every script run here: one thread per process (2 processes share 2 cores), offline."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", **(extra or {})}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        **(extra or {}),
+    }
 
 
 def read_metrics(path):
@@ -44,9 +61,30 @@ def sft_model(toy, tmp_path_factory):
     """The toy SFT model: 150 steps on 2 processes (about 20 s). test_sft checks the run; reward and DPO start from it.
     Returns the output folder and the finished process (its output)."""
     out = tmp_path_factory.mktemp("sft")
-    result = run_script("sft.py", ["--model_name_or_path", toy / "model", "--dataset_name", toy / "sft", "--output_dir", out,
-                                   "--learning_rate", 2e-3, "--max_steps", 150, "--warmup_ratio", 0.05, "--lr_scheduler_type", "cosine",
-                                   "--per_device_train_batch_size", 16, "--log_every", 25], nproc=2)
+    result = run_script(
+        "sft.py",
+        [
+            "--model_name_or_path",
+            toy / "model",
+            "--dataset_name",
+            toy / "sft",
+            "--output_dir",
+            out,
+            "--learning_rate",
+            2e-3,
+            "--max_steps",
+            150,
+            "--warmup_ratio",
+            0.05,
+            "--lr_scheduler_type",
+            "cosine",
+            "--per_device_train_batch_size",
+            16,
+            "--log_every",
+            25,
+        ],
+        nproc=2,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
     return out, result
 
@@ -54,8 +92,11 @@ def sft_model(toy, tmp_path_factory):
 def tiny_gpt2():
     """Absolute position embeddings: left padding without position_ids would shift every position (RoPE would not)."""
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                                      resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).eval()
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+        )
+    ).eval()
 
 
 def reference_logprobs(model, prompt, completion, temperature=1.0):
@@ -70,15 +111,37 @@ def reward_model(sft_model, tmp_path_factory, toy):
     """The toy reward model: 125 steps from the SFT model on toy/preference, 2 processes (about 30 s). test_reward
     checks the run; ppo.py scores with it and starts its value model from it. Returns the folder and the process."""
     out = tmp_path_factory.mktemp("reward")
-    result = run_script("reward.py", ["--model_name_or_path", sft_model[0], "--dataset_name", toy / "preference", "--output_dir", out,
-                                      "--learning_rate", 1e-3, "--max_steps", 125, "--warmup_ratio", 0.05, "--lr_scheduler_type", "cosine",
-                                      "--per_device_train_batch_size", 16, "--log_every", 25], nproc=2)
+    result = run_script(
+        "reward.py",
+        [
+            "--model_name_or_path",
+            sft_model[0],
+            "--dataset_name",
+            toy / "preference",
+            "--output_dir",
+            out,
+            "--learning_rate",
+            1e-3,
+            "--max_steps",
+            125,
+            "--warmup_ratio",
+            0.05,
+            "--lr_scheduler_type",
+            "cosine",
+            "--per_device_train_batch_size",
+            16,
+            "--log_every",
+            25,
+        ],
+        nproc=2,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
     return out, result
 
 
 def run_in_process(script, args):
-    """Run a top-level script inside the test process, as `python script.py ...` would (one process, the same code path),
+    """Run a top-level script inside the test process, as `python script.py ...` would (one process, the same code
+    path),
     for the runs that stop before training: no interpreter start or imports to pay. Returns the exception it raised
     (None if it finished) and what it printed. The process group and the signal handlers it installed are undone."""
     import contextlib

@@ -20,7 +20,12 @@ def run_case(case, make_optimizer):
     """Feed the case's gradients to an optimizer; returns per-parameter (T, *shape) trajectories and states."""
     steps, n = int(REF[f"{case}__steps"]), int(REF[f"{case}__num_params"])
     params = [torch.nn.Parameter(torch.from_numpy(REF[f"{case}__p{k}__init"].copy())) for k in range(n)]
-    opt = make_optimizer(params, lr=float(REF[f"{case}__lr"][0]), betas=(float(REF[f"{case}__beta1"]), float(REF[f"{case}__beta2"])), eps=float(REF[f"{case}__eps"]))
+    opt = make_optimizer(
+        params,
+        lr=float(REF[f"{case}__lr"][0]),
+        betas=(float(REF[f"{case}__beta1"]), float(REF[f"{case}__beta2"])),
+        eps=float(REF[f"{case}__eps"]),
+    )
     after, ms, vs, b1p, b2p = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [], []
     for t in range(steps):
         for group in opt.param_groups:  # what an LR scheduler does between steps

@@ -28,7 +28,10 @@ def test_dpo_losses_by_hand(beta):
         ("sigmoid", 0.2, 0.0): [-0.8 * log_sigmoid(beta * x) - 0.2 * log_sigmoid(-beta * x) for x in h],
         ("ipo", 0.0, 0.0): [(x - 1 / (2 * beta)) ** 2 for x in h],
         ("hinge", 0.0, 0.0): [max(0.0, 1 - beta * x) for x in h],
-        ("sigmoid", 0.0, 0.5): [-log_sigmoid(beta * h[0]) + 0.5 * 1.0 / 2, -log_sigmoid(beta * h[1]) + 0.5 * 4.0 / 5],  # + alpha NLL/token
+        ("sigmoid", 0.0, 0.5): [
+            -log_sigmoid(beta * h[0]) + 0.5 * 1.0 / 2,
+            -log_sigmoid(beta * h[1]) + 0.5 * 4.0 / 5,
+        ],  # + alpha NLL/token
     }
     for (loss_type, label_smoothing, rpo_alpha), values in expected.items():
         args = SimpleNamespace(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, rpo_alpha=rpo_alpha)
@@ -37,7 +40,9 @@ def test_dpo_losses_by_hand(beta):
         assert chosen_rewards.tolist() == pytest.approx([beta * 0.5, beta * -1.0], rel=1e-6)
         assert rejected_rewards.tolist() == pytest.approx([beta * -0.5, beta * 0.25], rel=1e-6)
     hinge = SimpleNamespace(beta=2.0, loss_type="hinge", label_smoothing=0.0, rpo_alpha=0.0)
-    assert dpo_loss(chosen, rejected, ref_chosen, ref_rejected, lengths, hinge)[0][0].item() == 0.0  # beta h >= 1: no loss
+    assert (
+        dpo_loss(chosen, rejected, ref_chosen, ref_rejected, lengths, hinge)[0][0].item() == 0.0
+    )  # beta h >= 1: no loss
 
 
 def test_dpo_gradient_raises_chosen_and_lowers_rejected():
@@ -52,7 +57,9 @@ def test_pair_logps_sum_the_completion_tokens_eos_included():
     model, eos = tiny_gpt2(), 9
     data = {"prompt": [[1, 2, 3], [4]], "chosen": [[5, eos], [6, 7, 8, eos]], "rejected": [[7, 7, 7, eos], [eos]]}
     with torch.no_grad():
-        chosen, rejected, lengths, _ = pair_logps(model, data, [1, 0], pad_token_id=eos)  # rows out of order, pad == eos
+        chosen, rejected, lengths, _ = pair_logps(
+            model, data, [1, 0], pad_token_id=eos
+        )  # rows out of order, pad == eos
     assert lengths.tolist() == [4, 2]
     for key, got in (("chosen", chosen), ("rejected", rejected)):
         expected = [reference_logprobs(model, data["prompt"][i], data[key][i]).sum().item() for i in (1, 0)]
@@ -65,16 +72,47 @@ def test_reference_logps_precomputed_or_online_give_the_same_run(toy, tmp_path):
     runs = {}
     for precompute in ("--precompute-ref-logps", "--no-precompute-ref-logps"):
         out = tmp_path / precompute
-        result = run_script("dpo.py", ["--model_name_or_path", toy / "model", "--dataset_name", tmp_path / "small.jsonl", "--output_dir", out,
-                                       "--learning_rate", 3e-3, "--beta", 1.0, "--max_steps", 6, "--per_device_train_batch_size", 4, "--log_every", 1,
-                                       "--per_device_eval_batch_size", 3, precompute], nproc=2)
+        result = run_script(
+            "dpo.py",
+            [
+                "--model_name_or_path",
+                toy / "model",
+                "--dataset_name",
+                tmp_path / "small.jsonl",
+                "--output_dir",
+                out,
+                "--learning_rate",
+                3e-3,
+                "--beta",
+                1.0,
+                "--max_steps",
+                6,
+                "--per_device_train_batch_size",
+                4,
+                "--log_every",
+                1,
+                "--per_device_eval_batch_size",
+                3,
+                precompute,
+            ],
+            nproc=2,
+        )
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
-        assert ("reference log-probs computed for 32 training pairs" in result.stdout) == (precompute == "--precompute-ref-logps")
+        assert ("reference log-probs computed for 32 training pairs" in result.stdout) == (
+            precompute == "--precompute-ref-logps"
+        )
         runs[precompute] = read_metrics(out)
-    first = runs["--precompute-ref-logps"][0]  # before the first update the policy is the reference: implicit rewards 0 (dropout off)
-    assert abs(first["rewards/chosen"]) < 1e-5 and abs(first["rewards/rejected"]) < 1e-5 and first["loss"] == pytest.approx(math.log(2), rel=1e-5)
+    first = runs["--precompute-ref-logps"][
+        0
+    ]  # before the first update the policy is the reference: implicit rewards 0 (dropout off)
+    assert (
+        abs(first["rewards/chosen"]) < 1e-5
+        and abs(first["rewards/rejected"]) < 1e-5
+        and first["loss"] == pytest.approx(math.log(2), rel=1e-5)
+    )
     for key in first:
-        # the two modes group rows differently in padded batches: log-probs differ by float noise (1e-7), which the updates
+        # the two modes group rows differently in padded batches: log-probs differ by float noise (1e-7), which the
+        # updates
         # grow to 2e-5 relative by step 6 (a wrong reference row would be off by O(1)). rewards/accuracies compares two
         # rewards that are that noise at step 1: from step 2 on
         skip = {"tokens_per_second": 6, "rewards/accuracies": 1}.get(key, 0)
@@ -89,21 +127,75 @@ def test_dpo_raises_exact_match_over_the_sft_model(toy, sft_model, tmp_path):
     pairs = [json.loads(line) for line in open(tmp_path / "pairs" / "train.jsonl")]
     assert counts["train"][0] == len(pairs) > 1000 and all(p["chosen"] != p["rejected"] for p in pairs)
     out = tmp_path / "dpo"
-    result = run_script("dpo.py", ["--model_name_or_path", sft_model[0], "--dataset_name", tmp_path / "pairs", "--output_dir", out,
-                                   "--learning_rate", 1e-4, "--beta", 0.1, "--rpo_alpha", 1.0, "--num_train_epochs", 1, "--warmup_ratio", 0.05,
-                                   "--lr_scheduler_type", "cosine", "--per_device_train_batch_size", 16, "--log_every", 20], nproc=2)
+    result = run_script(
+        "dpo.py",
+        [
+            "--model_name_or_path",
+            sft_model[0],
+            "--dataset_name",
+            tmp_path / "pairs",
+            "--output_dir",
+            out,
+            "--learning_rate",
+            1e-4,
+            "--beta",
+            0.1,
+            "--rpo_alpha",
+            1.0,
+            "--num_train_epochs",
+            1,
+            "--warmup_ratio",
+            0.05,
+            "--lr_scheduler_type",
+            "cosine",
+            "--per_device_train_batch_size",
+            16,
+            "--log_every",
+            20,
+        ],
+        nproc=2,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
     rows = read_metrics(out)
-    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"):
+    for key in (
+        "loss",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+    ):
         assert all(math.isfinite(r[key]) for r in rows), key
     assert "eval/loss" in rows[-1] and "eval/accuracy" not in rows[0]  # evaluated at the end only
     assert rows[-1]["rewards/margins"] > 0 and rows[-1]["eval/accuracy"] > 0.7
-    before, after = exact_match(str(sft_model[0]), str(toy / "prompts" / "test.jsonl")), exact_match(str(out), str(toy / "prompts" / "test.jsonl"))
-    print(f"toy exact match: SFT {before:.3f}, after DPO {after:.3f}; implicit-reward test accuracy {rows[-1]['eval/accuracy']:.3f}")
+    before, after = (
+        exact_match(str(sft_model[0]), str(toy / "prompts" / "test.jsonl")),
+        exact_match(str(out), str(toy / "prompts" / "test.jsonl")),
+    )
+    print(
+        f"toy exact match: SFT {before:.3f}, after DPO {after:.3f}; implicit-reward test accuracy "
+        f"{rows[-1]['eval/accuracy']:.3f}"
+    )
     assert after >= before + 0.03
 
 
 def test_label_smoothing_with_another_loss_stops_with_a_clear_message(toy, tmp_path):
-    error, _ = run_in_process("dpo.py", ["--model_name_or_path", toy / "model", "--dataset_name", toy / "preference", "--output_dir", tmp_path,
-                                         "--loss_type", "ipo", "--label_smoothing", 0.1])
-    assert isinstance(error, ValueError) and "--label_smoothing applies to --loss_type sigmoid only (got ipo)" in str(error)
+    error, _ = run_in_process(
+        "dpo.py",
+        [
+            "--model_name_or_path",
+            toy / "model",
+            "--dataset_name",
+            toy / "preference",
+            "--output_dir",
+            tmp_path,
+            "--loss_type",
+            "ipo",
+            "--label_smoothing",
+            0.1,
+        ],
+    )
+    assert isinstance(error, ValueError) and "--label_smoothing applies to --loss_type sigmoid only (got ipo)" in str(
+        error
+    )

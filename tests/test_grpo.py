@@ -14,8 +14,20 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import ROOT, read_metrics, run_in_process, run_script, tiny_gpt2
-from grpo import (completion_logprobs, generate_completions, grpo_loss, group_advantages, kl_estimate, loss_normaliser, make_batch,
-                  parse_answer, shard_model, tokenize_prompts, unsharded, verifier_reward)
+from grpo import (
+    completion_logprobs,
+    generate_completions,
+    grpo_loss,
+    group_advantages,
+    kl_estimate,
+    loss_normaliser,
+    make_batch,
+    parse_answer,
+    shard_model,
+    tokenize_prompts,
+    unsharded,
+    verifier_reward,
+)
 from datasets import Dataset
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
@@ -25,8 +37,17 @@ GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
 
 
 def loss_args(**kw):
-    return SimpleNamespace(**{"epsilon": 0.2, "epsilon_high": 0.28, "beta": 0.0, "kl_estimator": "k3", "loss_type": "token",
-                              "max_completion_length": 4, **kw})
+    return SimpleNamespace(
+        **{
+            "epsilon": 0.2,
+            "epsilon_high": 0.28,
+            "beta": 0.0,
+            "kl_estimator": "k3",
+            "loss_type": "token",
+            "max_completion_length": 4,
+            **kw,
+        }
+    )
 
 
 # ---------------------------------------------------------------------------------------------- KL estimators
@@ -38,7 +59,9 @@ def estimator_expectations(sampler):
     theta = torch.randn(6, generator=g).requires_grad_()
     ref = torch.log_softmax(torch.randn(6, generator=g), -1)
     logp = torch.log_softmax(theta, -1)
-    old = torch.log_softmax(theta.detach() + 0.7 * torch.randn(6, generator=g), -1) if sampler == "old" else logp.detach()
+    old = (
+        torch.log_softmax(theta.detach() + 0.7 * torch.randn(6, generator=g), -1) if sampler == "old" else logp.detach()
+    )
     exact = {"kl": (logp.exp() * (logp - ref)).sum(), "reverse_kl": (ref.exp() * (ref - logp)).sum()}
     exact = {k: (v.item(), torch.autograd.grad(v, theta, retain_graph=True)[0]) for k, v in exact.items()}
     samples = torch.multinomial(old.exp(), 400_000, replacement=True, generator=g)
@@ -53,7 +76,8 @@ def estimator_expectations(sampler):
 
 
 def assert_samples_agree(expected, sampled):
-    """The same conclusions from 400k samples: each sample mean (value and gradient) is within 0.01 of its expectation."""
+    """The same conclusions from 400k samples: each sample mean (value and gradient) is within 0.01 of its
+    expectation."""
     for kind in expected:
         assert abs(sampled[kind][0] - expected[kind][0]) < 0.01, kind
         assert (sampled[kind][1] - expected[kind][1]).abs().max() < 0.01, kind
@@ -99,12 +123,24 @@ def test_loss_types_by_hand_with_unequal_lengths():
         assert loss.item() == pytest.approx(value), loss_type
         assert torch.equal(ratio, torch.ones(2, 3))
         # split into two micro-batches, each divided by the normaliser of the whole batch: the same loss
-        parts = [grpo_loss(logps[i : i + 1], logps[i : i + 1].detach(), None, advantages[i : i + 1], mask[i : i + 1],
-                           loss_normaliser(mask, args), args)[0] for i in range(2)]
+        parts = [
+            grpo_loss(
+                logps[i : i + 1],
+                logps[i : i + 1].detach(),
+                None,
+                advantages[i : i + 1],
+                mask[i : i + 1],
+                loss_normaliser(mask, args),
+                args,
+            )[0]
+            for i in range(2)
+        ]
         assert sum(parts).item() == pytest.approx(value), loss_type
     # with the KL term: d = log 2 everywhere, so k3 = 1/2 - 1 + log 2 on each of the 4 tokens in the loss
     args = loss_args(beta=0.1)
-    loss, _, _ = grpo_loss(logps, logps.detach(), logps.detach() - torch.log(torch.tensor(2.0)), advantages, mask, 4, args)
+    loss, _, _ = grpo_loss(
+        logps, logps.detach(), logps.detach() - torch.log(torch.tensor(2.0)), advantages, mask, 4, args
+    )
     assert loss.item() == pytest.approx(-0.25 + 0.1 * (0.5 - 1 + 0.6931471805599453))
 
 
@@ -121,7 +157,8 @@ def test_clipped_surrogate_by_hand():
         loss, _, policy_loss = grpo_loss(logps, old, None, advantages_per_token[j : j + 1], mask, 1, loss_args())
         (grad,) = torch.autograd.grad(loss, logps)
         losses.append((loss.item(), grad[0, j].item()))
-    # A > 0, ratio 1.5 > 1.28: clipped to 1.28, no gradient; A > 0, ratio 1.1: -ratio, gradient -ratio (d ratio / d logp = ratio);
+    # A > 0, ratio 1.5 > 1.28: clipped to 1.28, no gradient; A > 0, ratio 1.1: -ratio, gradient -ratio
+    # (d ratio / d logp = ratio);
     # A < 0, ratio 0.5 < 0.8: clipped to 0.8, no gradient; A < 0, ratio 1.5: not clipped (pessimistic), gradient +ratio
     assert losses == [pytest.approx(v) for v in [(-1.28, 0.0), (-1.1, -1.1), (0.8, 0.0), (1.5, 1.5)]]
 
@@ -131,14 +168,19 @@ def test_advantages_for_each_scale_rewards():
     groups = [[1, 0, 0, 1], [2, 2, 2, 2], [0, 0, 0, 3]]
     centred = [r - statistics.mean(g) for g in groups for r in g]
     group_std = [statistics.stdev(g) for g in groups for _ in g]
-    expected = {"group": [c / (s + 1e-4) for c, s in zip(centred, group_std)],
-                "batch": [c / (statistics.stdev(rewards.tolist()) + 1e-4) for c in centred], "none": centred}
+    expected = {
+        "group": [c / (s + 1e-4) for c, s in zip(centred, group_std)],
+        "batch": [c / (statistics.stdev(rewards.tolist()) + 1e-4) for c in centred],
+        "none": centred,
+    }
     for scale, values in expected.items():
         advantages, zero_std = group_advantages(rewards, 4, scale)
         assert advantages.tolist() == pytest.approx(values, abs=1e-6), scale
         assert zero_std.tolist() == [False, True, False]
     # equal rewards give exactly 0, even where the float mean is not exact (3 x 0.1 / 3 != 0.1)
-    advantages, zero_std = group_advantages(torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 0.5], dtype=torch.float64), 3, "group")
+    advantages, zero_std = group_advantages(
+        torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 0.5], dtype=torch.float64), 3, "group"
+    )
     assert advantages[:3].tolist() == [0.0, 0.0, 0.0] and zero_std.tolist() == [True, False]
 
 
@@ -150,7 +192,9 @@ def test_verifiers_on_every_gsm8k_solution():
     rows = [json.loads(line) for line in open(GSM8K)]
     assert len(rows) == 1319
     finals = [row["answer"].split("####")[1].strip().replace(",", "") for row in rows]
-    assert sum("," in row["answer"].split("####")[1] for row in rows) == 14 and sum(f.startswith("-") for f in finals) == 2
+    assert (
+        sum("," in row["answer"].split("####")[1] for row in rows) == 14 and sum(f.startswith("-") for f in finals) == 2
+    )
     for row, final in zip(rows, finals):
         solution = row["answer"]
         assert parse_answer(solution, "gsm8k") == Decimal(final) == parse_answer(solution, "last_number")
@@ -158,7 +202,9 @@ def test_verifiers_on_every_gsm8k_solution():
         assert verifier_reward(solution, final, "gsm8k") == 1.0
         assert verifier_reward(f"So the answer is {final}.", solution, "last_number") == 1.0
         wrong = solution.rsplit("####", 1)[0] + f"#### {Decimal(final) + 1}"
-        assert verifier_reward(wrong, solution, "gsm8k") == 0.0 and verifier_reward(wrong, solution, "last_number") == 0.0
+        assert (
+            verifier_reward(wrong, solution, "gsm8k") == 0.0 and verifier_reward(wrong, solution, "last_number") == 0.0
+        )
 
 
 def test_verifiers_by_hand():
@@ -180,7 +226,9 @@ def test_completion_logprobs_entropy():
     with torch.no_grad():
         logps, entropy = completion_logprobs(model, input_ids, attention_mask, 3, temperature=0.7, with_entropy=True)
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, -4:-1] / 0.7
+        logits = (
+            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, -4:-1] / 0.7
+        )
         log_p = torch.log_softmax(logits, -1)
     torch.testing.assert_close(entropy, -(log_p.exp() * log_p).sum(-1))
     torch.testing.assert_close(logps, log_p.gather(-1, input_ids[:, -3:, None])[..., 0])
@@ -192,7 +240,9 @@ def test_generation_samples_from_logits_over_temperature(toy, tmp_path):
     from must still be softmax(logits / temperature), the one log-probs are computed from."""
     folder = tmp_path / "model"
     shutil.copytree(toy / "model", folder)
-    GenerationConfig(top_k=1, top_p=0.5, repetition_penalty=3.0, min_new_tokens=5, do_sample=True).save_pretrained(folder)
+    GenerationConfig(top_k=1, top_p=0.5, repetition_penalty=3.0, min_new_tokens=5, do_sample=True).save_pretrained(
+        folder
+    )
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     prompts = [[70, 71, 72], [73, 74]]
     original_generate, seen = model.generate, {}
@@ -208,8 +258,16 @@ def test_generation_samples_from_logits_over_temperature(toy, tmp_path):
     torch.testing.assert_close(seen["scores"], seen["logits"] / 0.7)
     assert len(completions) == 2 and model.generation_config.top_k == 1  # the folder's config is back in place
     # control: HF generate with the folder's defaults samples from another distribution
-    out = original_generate(input_ids=torch.tensor([[70, 71, 72]]), do_sample=True, temperature=0.7, max_new_tokens=6,
-                            output_scores=True, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    out = original_generate(
+        input_ids=torch.tensor([[70, 71, 72]]),
+        do_sample=True,
+        temperature=0.7,
+        max_new_tokens=6,
+        output_scores=True,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
     assert not torch.allclose(torch.stack(out.scores, 1), torch.stack(out.logits, 1) / 0.7)
 
 
@@ -249,7 +307,9 @@ def test_generation_runs_without_fsdp_hooks_and_matches_the_plain_model(toy):
                 if name == "fsdp":
                     assert not any(m._forward_pre_hooks or m._forward_hooks for m in fsdp_modules)
                 torch.manual_seed(3)
-                outputs[name] = [generate_completions(net, prompts, 8, t, eos_token_id=-1, pad_token_id=0) for t in (None, 1.0)]
+                outputs[name] = [
+                    generate_completions(net, prompts, 8, t, eos_token_id=-1, pad_token_id=0) for t in (None, 1.0)
+                ]
         assert outputs["fsdp"] == outputs["plain"]
         assert [(list(m._forward_pre_hooks.values()), list(m._forward_hooks.values())) for m in fsdp_modules] == hooks
     finally:
@@ -295,7 +355,9 @@ def test_generation_gathers_parameters_once(toy):
             args = SimpleNamespace(bf16=False, cpu_offload=False, reshard_after_forward=not keep)
             model = shard_model(AutoModelForCausalLM.from_pretrained(toy / "model"), args, torch.device("cpu"))
             num_groups = 1 + model.config.num_hidden_layers
-            generate = lambda: generate_completions(model, [[70, 71, 72], [73]], 8, 1.0, eos_token_id=-1, pad_token_id=0)
+            generate = lambda: generate_completions(
+                model, [[70, 71, 72], [73]], 8, 1.0, eos_token_id=-1, pad_token_id=0
+            )
             gathers.clear()
             with unsharded(model, keep=keep):
                 assert not any(isinstance(p, DTensor) for p in model.parameters())
@@ -311,7 +373,9 @@ def test_generation_gathers_parameters_once(toy):
                 assert all(isinstance(p, DTensor) for name, p in model.named_parameters() if ".layers." in name)
                 continue
             generate()
-            assert len(gathers) == 1 + (num_groups - 1) * 8  # control: each layer once per forward (FSDP2 keeps the root's)
+            assert (
+                len(gathers) == 1 + (num_groups - 1) * 8
+            )  # control: each layer once per forward (FSDP2 keeps the root's)
             # training still works after the block: a forward and backward with gradients on every parameter
             model(input_ids=ids, labels=ids).loss.backward()
             assert all(p.grad is not None for p in model.parameters())
@@ -326,12 +390,18 @@ def test_tokenize_prompts_formats_and_drops(toy):
     over-long prompts dropped and counted; the answer column kept alongside."""
     tokenizer = AutoTokenizer.from_pretrained(toy / "model")
     messages = [{"role": "user", "content": "sort: 21 ->"}]
-    dataset = Dataset.from_dict({"prompt": ["sort: 21 ->", "", "sort: " + "9" * 40 + " ->"], "answer": ["12", "x", "y"]})
-    data, dropped = tokenize_prompts(dataset, tokenizer, SimpleNamespace(max_prompt_length=20, dataset_name="d"), "answer")
+    dataset = Dataset.from_dict(
+        {"prompt": ["sort: 21 ->", "", "sort: " + "9" * 40 + " ->"], "answer": ["12", "x", "y"]}
+    )
+    data, dropped = tokenize_prompts(
+        dataset, tokenizer, SimpleNamespace(max_prompt_length=20, dataset_name="d"), "answer"
+    )
     assert data == {"prompt": [tokenizer("sort: 21 ->")["input_ids"]], "answer": ["12"]}
     assert dropped == {"empty prompt": 1, "prompt too long": 1}
     conversational = Dataset.from_list([{"prompt": messages, "answer": "12"}])
-    data, _ = tokenize_prompts(conversational, tokenizer, SimpleNamespace(max_prompt_length=20, dataset_name="d"), "answer")
+    data, _ = tokenize_prompts(
+        conversational, tokenizer, SimpleNamespace(max_prompt_length=20, dataset_name="d"), "answer"
+    )
     assert tokenizer.decode(data["prompt"][0]) == "<|user|>sort: 21 -><|assistant|>"
 
 
@@ -340,25 +410,49 @@ def test_gsm8k_rows_become_prompts_with_the_readme_mapping(toy):
     import datasets
 
     gsm8k = datasets.load_dataset("json", data_files=GSM8K, split="train")
-    prompts = gsm8k.map(lambda r: {"prompt": [{"role": "user", "content": r["question"] + "\nGive the final answer after '####'."}]})
-    data, dropped = tokenize_prompts(prompts, AutoTokenizer.from_pretrained(toy / "model"), SimpleNamespace(max_prompt_length=2048, dataset_name="gsm8k"), "answer")
+    prompts = gsm8k.map(
+        lambda r: {"prompt": [{"role": "user", "content": r["question"] + "\nGive the final answer after '####'."}]}
+    )
+    data, dropped = tokenize_prompts(
+        prompts,
+        AutoTokenizer.from_pretrained(toy / "model"),
+        SimpleNamespace(max_prompt_length=2048, dataset_name="gsm8k"),
+        "answer",
+    )
     assert len(data["prompt"]) == 1319 and dropped == {"empty prompt": 0, "prompt too long": 0}
     assert all(verifier_reward(answer, answer, "gsm8k") == 1.0 for answer in data["answer"])
 
 
 # ---------------------------------------------------------------------------------------------- the script itself
 def grpo_args(model, data, out, *extra):
-    return ["--model_name_or_path", model, "--dataset_name", data, "--output_dir", out, "--max_completion_length", 12,
-            "--per_device_train_batch_size", 16, "--num_generations", 8, "--log_every", 1, *extra]
+    return [
+        "--model_name_or_path",
+        model,
+        "--dataset_name",
+        data,
+        "--output_dir",
+        out,
+        "--max_completion_length",
+        12,
+        "--per_device_train_batch_size",
+        16,
+        "--num_generations",
+        8,
+        "--log_every",
+        1,
+        *extra,
+    ]
 
 
 def test_bad_input(toy, tmp_path):
     """In the test process (conftest.run_in_process): each stops before any model is loaded. test_reliability.py covers
     what every script shares (formats, columns, dropped rows, tokenizer, model folders, reward model, batch sizes)."""
     (tmp_path / "no_answer.jsonl").write_text('{"prompt": "sort: 21 ->"}\n')
-    for data, extra, message in [(tmp_path / "no_answer.jsonl", [], "'answer' column for the verifier"),
-                                 (toy / "prompts", ["--num_generations", 3], "whole groups of num_generations"),
-                                 (toy / "prompts", ["--reward_fn", "None"], "no reward")]:
+    for data, extra, message in [
+        (tmp_path / "no_answer.jsonl", [], "'answer' column for the verifier"),
+        (toy / "prompts", ["--num_generations", 3], "whole groups of num_generations"),
+        (toy / "prompts", ["--reward_fn", "None"], "no reward"),
+    ]:
         error, _ = run_in_process("grpo.py", grpo_args(toy / "model", data, tmp_path / "out", *extra))
         assert isinstance(error, ValueError) and message in str(error), (message, repr(error))
 
@@ -371,10 +465,15 @@ def test_missing_eos_penalty_and_truncated_completions(toy, sft_model, tmp_path)
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(open(toy / "prompts" / "train.jsonl").readlines()[:64]))
     runs = {}
-    for name, extra in {"plain": ["--max_completion_length", 6], "penalty": ["--max_completion_length", 6, "--missing_eos_penalty", 1.0],
-                        "masked": ["--max_completion_length", 2, "--mask_truncated_completions", "--beta", 0.0]}.items():
+    for name, extra in {
+        "plain": ["--max_completion_length", 6],
+        "penalty": ["--max_completion_length", 6, "--missing_eos_penalty", 1.0],
+        "masked": ["--max_completion_length", 2, "--mask_truncated_completions", "--beta", 0.0],
+    }.items():
         out = tmp_path / name
-        result = run_script("grpo.py", grpo_args(sft_model[0], data, out, "--max_steps", 1, "--learning_rate", 1e-3, *extra))
+        result = run_script(
+            "grpo.py", grpo_args(sft_model[0], data, out, "--max_steps", 1, "--learning_rate", 1e-3, *extra)
+        )
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
         runs[name] = read_metrics(out)[0]
     plain, penalty, masked = runs["plain"], runs["penalty"], runs["masked"]
@@ -391,11 +490,21 @@ def test_conversational_prompts_gradient_checkpointing_and_tracking(toy, sft_mod
     and --track (wandb offline, with the sample table) on one run."""
     rows = [json.loads(line) for line in open(toy / "prompts" / "train.jsonl")][:32]
     data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}) + "\n" for r in rows))
-    result = run_script("grpo.py", grpo_args(sft_model[0], data, tmp_path / "out", "--max_steps", 2, "--gradient_checkpointing", "--track"),
-                        env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}) + "\n"
+            for r in rows
+        )
+    )
+    result = run_script(
+        "grpo.py",
+        grpo_args(sft_model[0], data, tmp_path / "out", "--max_steps", 2, "--gradient_checkpointing", "--track"),
+        env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)},
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
-    assert "'<|user|>sort: " in result.stdout and "<|assistant|>' -> " in result.stdout  # the chat template in the sample table
+    assert (
+        "'<|user|>sort: " in result.stdout and "<|assistant|>' -> " in result.stdout
+    )  # the chat template in the sample table
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")) and len(read_metrics(tmp_path / "out")) == 2
 
 
@@ -408,11 +517,30 @@ def test_reward_model_scores(toy, tmp_path):
     rm.save_pretrained(tmp_path / "rm")
     shutil.copy(toy / "model" / "tokenizer.json", tmp_path / "rm")
     shutil.copy(toy / "model" / "tokenizer_config.json", tmp_path / "rm")
-    result = run_script("grpo.py", grpo_args(toy / "model", toy / "prompts", tmp_path / "out", "--reward_fn", "None", "--reward_model_path",
-                                             tmp_path / "rm", "--reward_model_weight", 2.0, "--max_steps", 2, "--per_device_eval_batch_size", 100))
+    result = run_script(
+        "grpo.py",
+        grpo_args(
+            toy / "model",
+            toy / "prompts",
+            tmp_path / "out",
+            "--reward_fn",
+            "None",
+            "--reward_model_path",
+            tmp_path / "rm",
+            "--reward_model_weight",
+            2.0,
+            "--max_steps",
+            2,
+            "--per_device_eval_batch_size",
+            100,
+        ),
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
     rows = read_metrics(tmp_path / "out")
-    assert [r["objective/scores"] for r in rows] == [1.5, 1.5] and [r["frac_reward_zero_std"] for r in rows] == [1.0, 1.0]
+    assert [r["objective/scores"] for r in rows] == [1.5, 1.5] and [r["frac_reward_zero_std"] for r in rows] == [
+        1.0,
+        1.0,
+    ]
     assert rows[-1]["eval/scores"] == 1.5 and rows[0]["loss/policy_avg"] == 0.0
 
 
@@ -423,19 +551,55 @@ def test_grpo_raises_exact_match(toy, sft_model, tmp_path):
 
     out = tmp_path / "grpo"
     before = exact_match(str(sft_model[0]), str(toy / "prompts" / "test.jsonl"))
-    result = run_script("grpo.py", grpo_args(sft_model[0], toy / "prompts", out, "--learning_rate", 3e-5, "--max_steps", 100,
-                                             "--gradient_accumulation_steps", 4, "--warmup_ratio", 0.1, "--log_every", 10,
-                                             "--per_device_eval_batch_size", 100), nproc=2)
+    result = run_script(
+        "grpo.py",
+        grpo_args(
+            sft_model[0],
+            toy / "prompts",
+            out,
+            "--learning_rate",
+            3e-5,
+            "--max_steps",
+            100,
+            "--gradient_accumulation_steps",
+            4,
+            "--warmup_ratio",
+            0.1,
+            "--log_every",
+            10,
+            "--per_device_eval_batch_size",
+            100,
+        ),
+        nproc=2,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
     after = exact_match(str(out), str(toy / "prompts" / "test.jsonl"))
     print(f"greedy exact match: SFT {before:.3f} -> GRPO {after:.3f}")
     assert after >= before + 0.03
     rows = read_metrics(out)
     assert rows[-1]["eval/scores"] == pytest.approx(after)
-    for key in ["loss", "lr", "grad_norm", "episode", "tokens_per_second", "objective/scores", "objective/kl", "objective/entropy",
-                "objective/rlhf_reward", "objective/non_score_reward", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg",
-                "val/ratio", "val/ratio_var", "val/num_eos_tokens", "completions/mean_length", "frac_reward_zero_std", "clip_ratio/low",
-                "clip_ratio/high"]:
+    for key in [
+        "loss",
+        "lr",
+        "grad_norm",
+        "episode",
+        "tokens_per_second",
+        "objective/scores",
+        "objective/kl",
+        "objective/entropy",
+        "objective/rlhf_reward",
+        "objective/non_score_reward",
+        "policy/approxkl_avg",
+        "policy/clipfrac_avg",
+        "loss/policy_avg",
+        "val/ratio",
+        "val/ratio_var",
+        "val/num_eos_tokens",
+        "completions/mean_length",
+        "frac_reward_zero_std",
+        "clip_ratio/low",
+        "clip_ratio/high",
+    ]:
         assert key in rows[-1], key
     # one iteration: the old policy is the current one, so the ratio is exactly 1 and nothing is clipped
     assert all(r["val/ratio"] == 1.0 and r["val/ratio_var"] == 0.0 and r["policy/clipfrac_avg"] == 0.0 for r in rows)

@@ -17,8 +17,14 @@ FAST_STEPS = {"sft": 20, "reward": 10, "dpo": 5, "grpo": 2, "ppo": 4}  # what FA
 
 def test_quickstart_fast_mode(toy, tmp_path, monkeypatch, capsys):
     out = tmp_path / "quickstart"
-    result = subprocess.run(["bash", "examples/quickstart.sh"], cwd=ROOT, env=script_env({"FAST": "1", "OUT": str(out), "TOY": str(toy)}),
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        ["bash", "examples/quickstart.sh"],
+        cwd=ROOT,
+        env=script_env({"FAST": "1", "OUT": str(out), "TOY": str(toy)}),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     for stage, steps in FAST_STEPS.items():
         assert read_metrics(out / stage)[-1]["step"] == steps, stage

@@ -54,6 +54,7 @@ def test_every_command_line_parses(path):
 def test_a_wrong_flag_is_caught():
     """The check above can fail: a misspelt flag and a value of the wrong type are refused by the same parser."""
     from sft import Args
+
     for bad in (["--learning_rte", "1e-3"], ["--max_steps", "many"]):
         with pytest.raises(SystemExit):
             tyro.cli(Args, args=bad)

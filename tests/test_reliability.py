@@ -17,8 +17,11 @@ from transformers import AutoModelForSequenceClassification
 
 SCRIPTS = ["sft.py", "reward.py", "dpo.py", "grpo.py", "ppo.py"]
 DATA = {"sft.py": "sft", "reward.py": "preference", "dpo.py": "preference", "grpo.py": "prompts", "ppo.py": "prompts"}
-ROW = {"sft.py": {"prompt": "sort: 21 ->", "completion": " 12"}, "reward.py": {"prompt": "sort: 21 ->", "chosen": " 12", "rejected": " 21"},
-       "grpo.py": {"prompt": "sort: 21 ->", "answer": "12"}}
+ROW = {
+    "sft.py": {"prompt": "sort: 21 ->", "completion": " 12"},
+    "reward.py": {"prompt": "sort: 21 ->", "chosen": " 12", "rejected": " 21"},
+    "grpo.py": {"prompt": "sort: 21 ->", "answer": "12"},
+}
 ROW.update({"dpo.py": ROW["reward.py"], "ppo.py": ROW["grpo.py"]})
 
 
@@ -35,8 +38,22 @@ def scored_model(toy, tmp_path_factory):
 
 
 def script_args(script, model, data, out, reward, *extra):
-    args = ["--model_name_or_path", model, "--dataset_name", data, "--output_dir", out, "--per_device_train_batch_size", 4,
-            "--max_steps", 2, "--log_every", 1, "--learning_rate", 1e-3]
+    args = [
+        "--model_name_or_path",
+        model,
+        "--dataset_name",
+        data,
+        "--output_dir",
+        out,
+        "--per_device_train_batch_size",
+        4,
+        "--max_steps",
+        2,
+        "--log_every",
+        1,
+        "--learning_rate",
+        1e-3,
+    ]
     if script in ("grpo.py", "ppo.py"):
         args += ["--max_completion_length", 6, "--local_rollout_forward_batch_size", 8]
     if script == "grpo.py":
@@ -53,25 +70,57 @@ def write_rows(path, rows):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_bad_input_names_the_problem_and_the_fix(script, toy, scored_model, tmp_path):
-    run = lambda model, data, *extra: run_in_process(script, script_args(script, model, data, tmp_path / "out", scored_model, *extra))
+    run = lambda model, data, *extra: run_in_process(
+        script, script_args(script, model, data, tmp_path / "out", scored_model, *extra)
+    )
     cases = []  # (what, exception, printed, expected text)
     # unknown dataset format; a dataset that is nowhere
     (tmp_path / "rows.txt").write_text("sort: 21 -> 12\n")
-    cases.append(("format", *run(toy / "model", tmp_path / "rows.txt"), "unknown format .txt; give a .json, .jsonl, .parquet or .csv file"))
-    cases.append(("nowhere", *run(toy / "model", tmp_path / "nowhere"), "is neither a local file or folder of data files nor a dataset on the hub"))
+    cases.append(
+        (
+            "format",
+            *run(toy / "model", tmp_path / "rows.txt"),
+            "unknown format .txt; give a .json, .jsonl, .parquet or .csv file",
+        )
+    )
+    cases.append(
+        (
+            "nowhere",
+            *run(toy / "model", tmp_path / "nowhere"),
+            "is neither a local file or folder of data files nor a dataset on the hub",
+        )
+    )
     # a missing column
-    missing = {"sft.py": "completion", "reward.py": "chosen", "dpo.py": "chosen", "grpo.py": "prompt", "ppo.py": "prompt"}[script]
+    missing = {
+        "sft.py": "completion",
+        "reward.py": "chosen",
+        "dpo.py": "chosen",
+        "grpo.py": "prompt",
+        "ppo.py": "prompt",
+    }[script]
     bad_row = {k: v for k, v in ROW[script].items() if k != missing}
-    expected = {"sft.py": "needs a 'completion' column", "reward.py": "needs 'chosen' and 'rejected' columns", "grpo.py": "needs a 'prompt' column"}
+    expected = {
+        "sft.py": "needs a 'completion' column",
+        "reward.py": "needs 'chosen' and 'rejected' columns",
+        "grpo.py": "needs a 'prompt' column",
+    }
     expected.update({"dpo.py": expected["reward.py"], "ppo.py": expected["grpo.py"]})
     cases.append(("column", *run(toy / "model", write_rows(tmp_path / "column.jsonl", [bad_row])), expected[script]))
     # empty rows and over-long prompts: dropped, counted, and a run they leave without a batch says so
-    empty = {k: ("" if k != "answer" else v) for k, v in ROW[script].items()} if script in ("grpo.py", "ppo.py") else {**ROW[script], **{k: "" for k in ("completion", "chosen") if k in ROW[script]}}
+    empty = (
+        {k: ("" if k != "answer" else v) for k, v in ROW[script].items()}
+        if script in ("grpo.py", "ppo.py")
+        else {**ROW[script], **{k: "" for k in ("completion", "chosen") if k in ROW[script]}}
+    )
     long = {**ROW[script], "prompt": "sort: " + "1" * 40 + " ->"}
-    error, printed = run(toy / "model", write_rows(tmp_path / "dropped.jsonl", [empty] * 3 + [long] * 2), "--max_prompt_length", 24)
+    error, printed = run(
+        toy / "model", write_rows(tmp_path / "dropped.jsonl", [empty] * 3 + [long] * 2), "--max_prompt_length", 24
+    )
     kind = "prompt" if script in ("grpo.py", "ppo.py") else "completion"
     cases.append(("dropped", error, printed, f"'empty {kind}': 3, 'prompt too long': 2"))
-    assert "Lower the batch sizes or the number of processes, use more data, or raise --max_prompt_length" in str(error), script
+    assert "Lower the batch sizes or the number of processes, use more data, or raise --max_prompt_length" in str(
+        error
+    ), script
     # a tokenizer without EOS
     no_eos = tmp_path / "no_eos"
     shutil.copytree(toy / "model", no_eos)
@@ -84,11 +133,22 @@ def test_bad_input_names_the_problem_and_the_fix(script, toy, scored_model, tmp_
     broken = tmp_path / "broken"
     shutil.copytree(toy / "model", broken)
     os.remove(broken / "model.safetensors")
-    cases.append(("no weights", *run(broken, toy / DATA[script]), f"--model_name_or_path {str(broken)!r} does not load with"))
+    cases.append(
+        ("no weights", *run(broken, toy / DATA[script]), f"--model_name_or_path {str(broken)!r} does not load with")
+    )
     # a causal LM given as the reward model: HF would add a random head and only warn
     if script in ("grpo.py", "ppo.py"):
-        error, printed = run_in_process(script, script_args(script, toy / "model", toy / "prompts", tmp_path / "out", toy / "model"))
-        cases.append(("reward model", error, printed, f"--reward_model_path {str(toy / 'model')!r} has no weights for ['score.weight']"))
+        error, printed = run_in_process(
+            script, script_args(script, toy / "model", toy / "prompts", tmp_path / "out", toy / "model")
+        )
+        cases.append(
+            (
+                "reward model",
+                error,
+                printed,
+                f"--reward_model_path {str(toy / 'model')!r} has no weights for ['score.weight']",
+            )
+        )
     for what, error, printed, text in cases:
         assert isinstance(error, ValueError) and text in str(error) + printed, (script, what, repr(error)[-600:])
 
@@ -96,12 +156,44 @@ def test_bad_input_names_the_problem_and_the_fix(script, toy, scored_model, tmp_
 @pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
 def test_batch_sizes_that_do_not_divide(script, toy, scored_model, tmp_path):
     key = "num_iterations" if script == "grpo.py" else "num_ppo_epochs"
-    error, _ = run_in_process(script, script_args(script, toy / "model", toy / "prompts", tmp_path / "a", scored_model, "--num_mini_batches", 2,
-                                                  "--max_steps", 3, f"--{key}", 1))
-    assert isinstance(error, ValueError) and f"--max_steps must be a multiple of {key} x num_mini_batches = 2" in str(error)
-    error, _ = run_in_process(script, script_args(script, toy / "model", toy / "prompts", tmp_path / "b", scored_model, "--num_mini_batches", 2,
-                                                  "--save_every", 1, f"--{key}", 1))
-    assert isinstance(error, ValueError) and f"--save_every must be a multiple of {key} x num_mini_batches = 2" in str(error)
+    error, _ = run_in_process(
+        script,
+        script_args(
+            script,
+            toy / "model",
+            toy / "prompts",
+            tmp_path / "a",
+            scored_model,
+            "--num_mini_batches",
+            2,
+            "--max_steps",
+            3,
+            f"--{key}",
+            1,
+        ),
+    )
+    assert isinstance(error, ValueError) and f"--max_steps must be a multiple of {key} x num_mini_batches = 2" in str(
+        error
+    )
+    error, _ = run_in_process(
+        script,
+        script_args(
+            script,
+            toy / "model",
+            toy / "prompts",
+            tmp_path / "b",
+            scored_model,
+            "--num_mini_batches",
+            2,
+            "--save_every",
+            1,
+            f"--{key}",
+            1,
+        ),
+    )
+    assert isinstance(error, ValueError) and f"--save_every must be a multiple of {key} x num_mini_batches = 2" in str(
+        error
+    )
 
 
 def test_remote_code_runs_only_with_trust_remote_code(toy, tmp_path):
@@ -110,7 +202,10 @@ def test_remote_code_runs_only_with_trust_remote_code(toy, tmp_path):
     folder = tmp_path / "remote"
     shutil.copytree(toy / "model", folder)
     config = json.load(open(folder / "config.json"))
-    config["model_type"], config["auto_map"] = "planted", {"AutoConfig": "planted.PlantedConfig", "AutoModelForCausalLM": "planted.PlantedModel"}
+    config["model_type"], config["auto_map"] = (
+        "planted",
+        {"AutoConfig": "planted.PlantedConfig", "AutoModelForCausalLM": "planted.PlantedModel"},
+    )
     json.dump(config, open(folder / "config.json", "w"))
     (folder / "planted.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
     error, _ = run_in_process("sft.py", script_args("sft.py", folder, toy / "sft", tmp_path / "out", None))
@@ -135,21 +230,48 @@ def test_nan_stops_the_run_before_the_update(script, toy, scored_model, tmp_path
         model, reward = toy / "model", poisoned_copy(scored_model, tmp_path / "poisoned", "score.weight")
     else:
         model, reward = poisoned_copy(toy / "model", tmp_path / "poisoned", "model.norm.weight"), None
-    data = write_rows(tmp_path / "small.jsonl", [json.loads(line) for line in open(toy / DATA[script] / "train.jsonl").readlines()[:16]])
+    data = write_rows(
+        tmp_path / "small.jsonl",
+        [json.loads(line) for line in open(toy / DATA[script] / "train.jsonl").readlines()[:16]],
+    )
     error, _ = run_in_process(script, script_args(script, model, data, tmp_path / "a", reward))
     assert isinstance(error, FloatingPointError), (script, repr(error)[-600:])
-    assert "step 1: non-finite loss and grad_norm (grad_norm nan)" in str(error) and "Last complete checkpoint: none (see --save_every)" in str(error)
-    error, printed = run_in_process(script, script_args(script, model, data, tmp_path / "b", reward, "--skip_nonfinite", 2))
-    assert error is None and "step 2: non-finite loss and grad_norm: update skipped (2 of --skip_nonfinite 2)" in printed, (script, repr(error)[-600:])
+    assert "step 1: non-finite loss and grad_norm (grad_norm nan)" in str(
+        error
+    ) and "Last complete checkpoint: none (see --save_every)" in str(error)
+    error, printed = run_in_process(
+        script, script_args(script, model, data, tmp_path / "b", reward, "--skip_nonfinite", 2)
+    )
+    assert (
+        error is None and "step 2: non-finite loss and grad_norm: update skipped (2 of --skip_nonfinite 2)" in printed
+    ), (script, repr(error)[-600:])
     initial, final = load_file(model / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
-    assert all(torch.equal(final[k], initial[k]) for k in final if k in initial and not initial[k].isnan().any())  # reward.py: + a new head
+    assert all(
+        torch.equal(final[k], initial[k]) for k in final if k in initial and not initial[k].isnan().any()
+    )  # reward.py: + a new head
 
 
 def test_nan_names_the_last_complete_checkpoint(toy, tmp_path):
     """sft at learning rate 1e30: step 1 is finite, its update sends the weights to about 1e30 and step 2 overflows. The
     message names step 2 and the checkpoint of step 1."""
-    error, _ = run_in_process("sft.py", script_args("sft.py", toy / "model", toy / "sft", tmp_path, None, "--learning_rate", 1e30,
-                                                    "--lr_scheduler_type", "constant", "--save_every", 1, "--max_steps", 4))
+    error, _ = run_in_process(
+        "sft.py",
+        script_args(
+            "sft.py",
+            toy / "model",
+            toy / "sft",
+            tmp_path,
+            None,
+            "--learning_rate",
+            1e30,
+            "--lr_scheduler_type",
+            "constant",
+            "--save_every",
+            1,
+            "--max_steps",
+            4,
+        ),
+    )
     assert isinstance(error, FloatingPointError) and str(error).startswith("step 2:"), repr(error)
     assert f"Last complete checkpoint: {tmp_path / 'checkpoints' / 'step_1'}." in str(error)
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
@@ -159,8 +281,12 @@ def test_nan_names_the_last_complete_checkpoint(toy, tmp_path):
 def checkpointed(toy, tmp_path_factory):
     """sft, 4 steps, a checkpoint every 2, keep_last 1: only step_4 survives."""
     out = tmp_path_factory.mktemp("checkpointed")
-    error, _ = run_in_process("sft.py", script_args("sft.py", toy / "model", toy / "sft", out, None, "--max_steps", 4, "--save_every", 2,
-                                                    "--keep_last", 1))
+    error, _ = run_in_process(
+        "sft.py",
+        script_args(
+            "sft.py", toy / "model", toy / "sft", out, None, "--max_steps", 4, "--save_every", 2, "--keep_last", 1
+        ),
+    )
     assert error is None, repr(error)
     return out
 
@@ -170,36 +296,97 @@ def test_keep_last_and_auto_never_picks_an_incomplete_checkpoint(checkpointed, t
 
     out = tmp_path / "run"
     shutil.copytree(checkpointed, out)
-    assert sorted(os.listdir(out / "checkpoints")) == ["step_4"] and complete_checkpoints(out) == [str(out / "checkpoints" / "step_4")]
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_4"] and complete_checkpoints(out) == [
+        str(out / "checkpoints" / "step_4")
+    ]
     good = out / "checkpoints" / "step_4"
     # a save interrupted before the rename; one truncated after it (a shard cut short); one without its manifest
     shutil.copytree(good, out / "checkpoints" / "step_9.tmp")
     shutil.copytree(good, out / "checkpoints" / "step_8")
-    json.dump({**json.load(open(good / "checkpoint.json")), "step": 8}, open(out / "checkpoints" / "step_8" / "checkpoint.json", "w"))
-    assert complete_checkpoints(out) == [str(good), str(out / "checkpoints" / "step_8")]  # the check itself accepts a whole copy
+    json.dump(
+        {**json.load(open(good / "checkpoint.json")), "step": 8},
+        open(out / "checkpoints" / "step_8" / "checkpoint.json", "w"),
+    )
+    assert complete_checkpoints(out) == [
+        str(good),
+        str(out / "checkpoints" / "step_8"),
+    ]  # the check itself accepts a whole copy
     shard = out / "checkpoints" / "step_8" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])
     shutil.copytree(good, out / "checkpoints" / "step_7")
     os.remove(out / "checkpoints" / "step_7" / "checkpoint.json")
-    assert complete_checkpoint(out / "checkpoints" / "step_8") is None and complete_checkpoint(out / "checkpoints" / "step_7") is None
+    assert (
+        complete_checkpoint(out / "checkpoints" / "step_8") is None
+        and complete_checkpoint(out / "checkpoints" / "step_7") is None
+    )
     assert complete_checkpoints(out) == [str(good)]
-    error, _ = run_in_process("sft.py", script_args("sft.py", toy / "model", toy / "sft", out, None, "--max_steps", 4, "--resume_from", out / "checkpoints" / "step_8"))
+    error, _ = run_in_process(
+        "sft.py",
+        script_args(
+            "sft.py",
+            toy / "model",
+            toy / "sft",
+            out,
+            None,
+            "--max_steps",
+            4,
+            "--resume_from",
+            out / "checkpoints" / "step_8",
+        ),
+    )
     assert isinstance(error, ValueError) and "is not a complete checkpoint" in str(error)
 
 
 def test_a_checkpoint_of_another_run_is_refused(checkpointed, toy, tmp_path):
-    """Other learning rate, other global batch: stops naming each mismatch. Another split of the same global batch is fine."""
+    """Other learning rate, other global batch: stops naming each mismatch. Another split of the same global batch is
+    fine."""
     resume = ["--resume_from", checkpointed / "checkpoints" / "step_4"]
-    error, _ = run_in_process("sft.py", script_args("sft.py", toy / "model", toy / "sft", tmp_path / "a", None, "--learning_rate", 2e-3,
-                                                    "--max_steps", 4, "--gradient_accumulation_steps", 2, *resume))
-    assert isinstance(error, ValueError) and "does not match the arguments: learning_rate 0.001 in the checkpoint, 0.002 now; batch_size 4 in the checkpoint, 8 now" in str(error)
-    error, _ = run_in_process("sft.py", script_args("sft.py", toy / "model", toy / "sft", tmp_path / "b", None, "--max_steps", 4,
-                                                    "--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2, *resume))
+    error, _ = run_in_process(
+        "sft.py",
+        script_args(
+            "sft.py",
+            toy / "model",
+            toy / "sft",
+            tmp_path / "a",
+            None,
+            "--learning_rate",
+            2e-3,
+            "--max_steps",
+            4,
+            "--gradient_accumulation_steps",
+            2,
+            *resume,
+        ),
+    )
+    assert (
+        isinstance(error, ValueError)
+        and "does not match the arguments: learning_rate 0.001 in the checkpoint, 0.002 now; "
+        "batch_size 4 in the checkpoint, 8 now"
+        in str(error)
+    )
+    error, _ = run_in_process(
+        "sft.py",
+        script_args(
+            "sft.py",
+            toy / "model",
+            toy / "sft",
+            tmp_path / "b",
+            None,
+            "--max_steps",
+            4,
+            "--per_device_train_batch_size",
+            2,
+            "--gradient_accumulation_steps",
+            2,
+            *resume,
+        ),
+    )
     assert error is None, repr(error)
 
 
 def test_loading_a_checkpoint_runs_no_code(checkpointed, toy, tmp_path):
-    """DCP's .metadata is a pickle: one that calls a function (here it would write a file) is refused by the allow-list."""
+    """DCP's .metadata is a pickle: one that calls a function (here it would write a file) is refused by the
+    allow-list."""
     out = tmp_path / "run"
     shutil.copytree(checkpointed, out)
     step = out / "checkpoints" / "step_4"
@@ -212,6 +399,8 @@ def test_loading_a_checkpoint_runs_no_code(checkpointed, toy, tmp_path):
     manifest = json.load(open(step / "checkpoint.json"))
     manifest["files"][".metadata"] = os.path.getsize(step / ".metadata")
     json.dump(manifest, open(step / "checkpoint.json", "w"))
-    error, _ = run_in_process("sft.py", script_args("sft.py", toy / "model", toy / "sft", out, None, "--max_steps", 4, "--resume_from", step))
+    error, _ = run_in_process(
+        "sft.py", script_args("sft.py", toy / "model", toy / "sft", out, None, "--max_steps", 4, "--resume_from", step)
+    )
     assert "checkpoint metadata refers to shutil.copy: not a DCP metadata class" in str(error), repr(error)
     assert not (tmp_path / "ran").exists()

@@ -14,7 +14,11 @@ from reward import bradley_terry_loss, last_token_index, make_batch, sequence_sc
 
 # ----------------------------------------------------------------------------------------------------- unit tests
 def test_bradley_terry_loss_by_hand():
-    chosen, rejected, margins = torch.tensor([1.0, -0.5, 3.0]), torch.tensor([0.0, 0.5, -1.0]), torch.tensor([0.0, 0.25, 1.0])
+    chosen, rejected, margins = (
+        torch.tensor([1.0, -0.5, 3.0]),
+        torch.tensor([0.0, 0.5, -1.0]),
+        torch.tensor([0.0, 0.25, 1.0]),
+    )
     # -log(1 / (1 + exp(-x))) = log(1 + exp(-x)) with x = r_chosen - r_rejected - margin
     expected = [math.log(1 + math.exp(-x)) for x in (1.0, -1.25, 3.0)]
     assert bradley_terry_loss(chosen, rejected, margins).tolist() == pytest.approx(expected, rel=1e-6)
@@ -23,7 +27,9 @@ def test_bradley_terry_loss_by_hand():
 def test_last_token_index_left_right_and_pad_equals_eos():
     left = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
     right = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
-    both = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 0, 0]])  # [left-padded prompt | right-padded completion], as make_batch builds
+    both = torch.tensor(
+        [[0, 1, 1, 1, 0], [0, 0, 1, 0, 0]]
+    )  # [left-padded prompt | right-padded completion], as make_batch builds
     assert last_token_index(left).tolist() == [4, 4, 4]
     assert last_token_index(right).tolist() == [2, 4, 0]
     assert last_token_index(both).tolist() == [3, 2]
@@ -33,10 +39,21 @@ def test_last_token_index_left_right_and_pad_equals_eos():
 
 
 def tiny_classifier(pad_token_id):
-    """GPT-2 (absolute positions, so left padding without position_ids would change the score) with a one-output head."""
+    """GPT-2 (absolute positions, so left padding without position_ids would change the score) with a one-output
+    head."""
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
-                        num_labels=1, pad_token_id=pad_token_id)
+    config = GPT2Config(
+        vocab_size=50,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0,
+        embd_pdrop=0,
+        attn_pdrop=0,
+        num_labels=1,
+        pad_token_id=pad_token_id,
+    )
     return GPT2ForSequenceClassification(config).eval()
 
 
@@ -51,7 +68,9 @@ def test_sequence_scores_at_the_last_real_token_for_any_padding_and_pad_equals_e
     prompts, completions = [[1, 2, 3], [4]], [[5, eos], [6, 7, 8, eos]]
     expected = [unpadded_score(model, p + c) for p, c in zip(prompts, completions)]
     with torch.no_grad():
-        input_ids, mask, _ = make_batch(prompts, completions, pad_token_id=eos)  # left-padded prompts, right-padded completions
+        input_ids, mask, _ = make_batch(
+            prompts, completions, pad_token_id=eos
+        )  # left-padded prompts, right-padded completions
         assert sequence_scores(model, input_ids, mask).tolist() == pytest.approx(expected, abs=1e-5)
         right = torch.tensor([[1, 2, 3, 5, eos, eos, eos], [4, 6, 7, 8, eos, eos, eos]])  # all right-padded, pad == eos
         right_mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0, 0]])
@@ -60,7 +79,9 @@ def test_sequence_scores_at_the_last_real_token_for_any_padding_and_pad_equals_e
         hf = model(input_ids=right, attention_mask=right_mask).logits[:, 0]
         assert not torch.allclose(hf, torch.tensor(expected), atol=1e-3)
         model.config.score_bias = -0.75  # what --normalize_reward saves
-        assert sequence_scores(model, right, right_mask).tolist() == pytest.approx([e - 0.75 for e in expected], abs=1e-5)
+        assert sequence_scores(model, right, right_mask).tolist() == pytest.approx(
+            [e - 0.75 for e in expected], abs=1e-5
+        )
 
 
 class A:
@@ -69,26 +90,48 @@ class A:
 
 def test_tokenize_preference_formats_margin_and_dropped_rows(toy):
     tok = AutoTokenizer.from_pretrained(toy / "model")
-    rows = {"prompt": ["sort: 21 ->", "sort: 3 ->", "x" * 30, "sort: 4 ->"], "chosen": [" 12", "", " 1", " 4" * 10],
-            "rejected": [" 21", " 3", " 2", " 5"], "margin": [0.5, 0.0, 0.0, 1]}
+    rows = {
+        "prompt": ["sort: 21 ->", "sort: 3 ->", "x" * 30, "sort: 4 ->"],
+        "chosen": [" 12", "", " 1", " 4" * 10],
+        "rejected": [" 21", " 3", " 2", " 5"],
+        "margin": [0.5, 0.0, 0.0, 1],
+    }
     data, dropped = tokenize_preference(datasets.Dataset.from_dict(rows), tok, A)
     assert dropped == {"empty completion": 1, "prompt too long": 1, "completion too long": 1}
-    assert [tok.decode(data[k][0]) for k in ("prompt", "chosen", "rejected")] == ["sort: 21 ->", " 12<|eos|>", " 21<|eos|>"]
+    assert [tok.decode(data[k][0]) for k in ("prompt", "chosen", "rejected")] == [
+        "sort: 21 ->",
+        " 12<|eos|>",
+        " 21<|eos|>",
+    ]
     assert data["margin"] == [0.5]
-    user, good, bad = [{"role": "user", "content": "sort: 21 ->"}], [{"role": "assistant", "content": " 12"}], [{"role": "assistant", "content": " 21"}]
-    explicit, _ = tokenize_preference(datasets.Dataset.from_dict({"prompt": [user], "chosen": [good], "rejected": [bad]}), tok, A)
-    implicit, _ = tokenize_preference(datasets.Dataset.from_dict({"chosen": [user + good], "rejected": [user + bad]}), tok, A)
+    user, good, bad = (
+        [{"role": "user", "content": "sort: 21 ->"}],
+        [{"role": "assistant", "content": " 12"}],
+        [{"role": "assistant", "content": " 21"}],
+    )
+    explicit, _ = tokenize_preference(
+        datasets.Dataset.from_dict({"prompt": [user], "chosen": [good], "rejected": [bad]}), tok, A
+    )
+    implicit, _ = tokenize_preference(
+        datasets.Dataset.from_dict({"chosen": [user + good], "rejected": [user + bad]}), tok, A
+    )
     assert explicit == implicit and tok.decode(implicit["prompt"][0]) == "<|user|>sort: 21 -><|assistant|>"
     assert tok.decode(implicit["chosen"][0]) == " 12<|eos|>" and implicit["margin"] == [0.0]
 
 
 def test_tokenize_preference_bad_input_names_the_problem(toy):
     tok = AutoTokenizer.from_pretrained(toy / "model")
-    with pytest.raises(ValueError, match=r"has columns \['prompt', 'completion'\], but preference data needs 'chosen' and 'rejected'"):
+    with pytest.raises(
+        ValueError, match=r"has columns \['prompt', 'completion'\], but preference data needs 'chosen' and 'rejected'"
+    ):
         tokenize_preference(datasets.Dataset.from_dict({"prompt": ["a"], "completion": ["b"]}), tok, A)
     other = [{"role": "user", "content": "sort: 12 ->"}, {"role": "assistant", "content": " 12"}]
     with pytest.raises(ValueError, match="differ only in their last message"):
-        tokenize_preference(datasets.Dataset.from_dict({"chosen": [other], "rejected": [[{"role": "user", "content": "x"}, other[1]]]}), tok, A)
+        tokenize_preference(
+            datasets.Dataset.from_dict({"chosen": [other], "rejected": [[{"role": "user", "content": "x"}, other[1]]]}),
+            tok,
+            A,
+        )
     with pytest.raises(ValueError, match="no 'prompt' column"):
         tokenize_preference(datasets.Dataset.from_dict({"chosen": ["a b"], "rejected": ["a c"]}), tok, A)
 
@@ -98,18 +141,40 @@ def test_reward_model_learns_the_toy_pairs_and_saves_centred_scores(toy, reward_
     out = reward_model[0]  # conftest.py: 125 steps from the toy SFT model, lr 1e-3, 2 processes
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [25, 50, 75, 100, 125] and rows[-1]["episode"] == 125 * 32
-    for key in ("loss", "lr", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"):
+    for key in (
+        "loss",
+        "lr",
+        "grad_norm",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+    ):
         assert all(math.isfinite(r[key]) for r in rows), key
     assert math.isfinite(rows[-1]["eval/loss"]) and "eval/accuracy" not in rows[0]  # evaluated at the end only
-    assert rows[-1]["rewards/margins"] == pytest.approx(rows[-1]["rewards/chosen"] - rows[-1]["rewards/rejected"], abs=1e-5)
+    assert rows[-1]["rewards/margins"] == pytest.approx(
+        rows[-1]["rewards/chosen"] - rows[-1]["rewards/rejected"], abs=1e-5
+    )
     print(f"toy reward model: test pair accuracy {rows[-1]['eval/accuracy']:.3f}")
     assert rows[-1]["eval/accuracy"] >= 0.9
-    # the folder loads with the standard class, and its scores (with the saved shift) have mean 0 on the training completions
+    # the folder loads with the standard class, and its scores (with the saved shift) have mean 0 on the training
+    # completions
     model = AutoModelForSequenceClassification.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
-    train, _ = tokenize_preference(datasets.load_dataset("json", data_files=str(toy / "preference" / "train.jsonl"), split="train"), tok, A)
+    train, _ = tokenize_preference(
+        datasets.load_dataset("json", data_files=str(toy / "preference" / "train.jsonl"), split="train"), tok, A
+    )
     with torch.no_grad():
-        scores = [sequence_scores(model, *make_batch(train["prompt"][i : i + 500] * 2, train["chosen"][i : i + 500] + train["rejected"][i : i + 500],
-                                                     tok.pad_token_id)[:2]) for i in range(0, 4000, 500)]
+        scores = [
+            sequence_scores(
+                model,
+                *make_batch(
+                    train["prompt"][i : i + 500] * 2,
+                    train["chosen"][i : i + 500] + train["rejected"][i : i + 500],
+                    tok.pad_token_id,
+                )[:2],
+            )
+            for i in range(0, 4000, 500)
+        ]
     scores = torch.cat(scores)
     assert abs(model.config.score_bias) > 0.05 and abs(scores.mean().item()) < 1e-3 * scores.std().item()

@@ -1,7 +1,8 @@
 """The training-loop invariants of DESIGN.md, for every script (sft.py, reward.py, dpo.py, grpo.py, ppo.py): the same
-global batch split three ways gives the same losses and weights (the third also with --no-reshard_after_forward); the LR schedule is exact and ends at the last optimizer
-step; a run stopped by SIGTERM or SIGKILL and resumed with --resume_from auto continues bit for bit. grpo.py and ppo.py sample their own data: their rollouts do
-not depend on the number of processes (generation chunks are seeded by rollout and chunk), so the same comparisons hold."""
+global batch split three ways gives the same losses and weights (the third also with --no-reshard_after_forward); the
+LR schedule is exact and ends at the last optimizer step; a run stopped by SIGTERM or SIGKILL and resumed with
+--resume_from auto continues bit for bit. grpo.py and ppo.py sample their own data: their rollouts do not depend on the
+number of processes (generation chunks are seeded by rollout and chunk), so the same comparisons hold."""
 
 import math
 import os
@@ -21,22 +22,72 @@ from safetensors.torch import load_file
 # on one process, was dropped for suite time: (2, 1, 4) has both accumulation and two processes
 SPLITS = [(1, 8, 1), (2, 4, 1), (2, 1, 4)]
 DATA = {"sft.py": "sft", "reward.py": "preference", "dpo.py": "preference", "grpo.py": "prompts", "ppo.py": "prompts"}
-# grpo.py: rollouts of 4 prompts x 4 generations = 16 completions, 3 iterations x 2 mini-batches of 8 = 6 optimizer steps
+# grpo.py: rollouts of 4 prompts x 4 generations = 16 completions, 3 iterations x 2 mini-batches of 8 = 6 optimizer
+# steps
 # each; 12 steps = 2 rollouts, and the checkpoint at step 6 falls between them. It starts from the toy SFT model, so
 # that exact-match rewards differ within groups and the policy moves.
-GRPO = ["--max_steps", 12, "--num_generations", 4, "--num_mini_batches", 2, "--num_iterations", 3, "--max_completion_length", 10,
-        "--local_rollout_forward_batch_size", 4, "--beta", 0.04, "--kl_estimator", "k3"]
-# ppo.py: rollouts of 16 prompts, 3 epochs x 2 mini-batches of 8 = 6 optimizer steps each; scored by the toy reward model
-PPO = ["--max_steps", 12, "--num_ppo_epochs", 3, "--num_mini_batches", 2, "--max_completion_length", 10, "--local_rollout_forward_batch_size", 4]
+GRPO = [
+    "--max_steps",
+    12,
+    "--num_generations",
+    4,
+    "--num_mini_batches",
+    2,
+    "--num_iterations",
+    3,
+    "--max_completion_length",
+    10,
+    "--local_rollout_forward_batch_size",
+    4,
+    "--beta",
+    0.04,
+    "--kl_estimator",
+    "k3",
+]
+# ppo.py: rollouts of 16 prompts, 3 epochs x 2 mini-batches of 8 = 6 optimizer steps each; scored by the toy reward
+# model
+PPO = [
+    "--max_steps",
+    12,
+    "--num_ppo_epochs",
+    3,
+    "--num_mini_batches",
+    2,
+    "--max_completion_length",
+    10,
+    "--local_rollout_forward_batch_size",
+    4,
+]
 RL = {"grpo.py": GRPO, "ppo.py": PPO}
-UNTIMED = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_second" and not k.startswith("time/")} for r in rows]
+UNTIMED = lambda rows: [
+    {k: v for k, v in r.items() if k != "tokens_per_second" and not k.startswith("time/")} for r in rows
+]
 
 
 def common_args(script, model, data_file, out):
     """12 optimizer steps (2 epochs of 48 rows, global batch 8), TF Adam, warmup + cosine, a checkpoint at step 6."""
-    return ["--model_name_or_path", model, "--dataset_name", data_file, "--output_dir", out, "--num_train_epochs", 2,
-            "--learning_rate", 5e-4 if script in RL else 3e-3, "--warmup_ratio", 0.25, "--lr_scheduler_type", "cosine",
-            "--optimizer", "adam_tf", "--adam_epsilon", 1e-5, "--log_every", 1] + RL.get(script, [])
+    return [
+        "--model_name_or_path",
+        model,
+        "--dataset_name",
+        data_file,
+        "--output_dir",
+        out,
+        "--num_train_epochs",
+        2,
+        "--learning_rate",
+        5e-4 if script in RL else 3e-3,
+        "--warmup_ratio",
+        0.25,
+        "--lr_scheduler_type",
+        "cosine",
+        "--optimizer",
+        "adam_tf",
+        "--adam_epsilon",
+        1e-5,
+        "--log_every",
+        1,
+    ] + RL.get(script, [])
 
 
 @pytest.fixture(scope="module", params=list(DATA))
@@ -51,8 +102,14 @@ def split_runs(request, toy, tmp_path_factory):
     runs = {}
     for nproc, mb, ga in SPLITS:
         out = root / f"{nproc}x{mb}x{ga}"
-        args = common_args(script, model, root / "small.jsonl", out) + reward + ["--per_device_train_batch_size", mb, "--gradient_accumulation_steps", ga, "--save_every", 6]
-        if ga > 1:  # parameters kept gathered from forward to backward (and, grpo/ppo, from generation on): the same run
+        args = (
+            common_args(script, model, root / "small.jsonl", out)
+            + reward
+            + ["--per_device_train_batch_size", mb, "--gradient_accumulation_steps", ga, "--save_every", 6]
+        )
+        if (
+            ga > 1
+        ):  # parameters kept gathered from forward to backward (and, grpo/ppo, from generation on): the same run
             args.append("--no-reshard_after_forward")
         result = run_script(script, args, nproc=nproc)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
@@ -68,15 +125,23 @@ def test_split_invariance(split_runs):
     for split, out in runs.items():
         rows, params = read_metrics(out), load_file(out / "model.safetensors")
         for key in ("step", "episode", "lr", "loss"):
-            assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref_rows], rel=1e-5, abs=1e-6), (script, split, key)
+            assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref_rows], rel=1e-5, abs=1e-6), (
+                script,
+                split,
+                key,
+            )
         # every statistic of the global batch (rewards/*, logps/*, grad_norm): scores of several units drift up to 2e-5
         # relative by step 12 at this learning rate. rewards/accuracies counts signs: not while the margins are float
         # noise (dpo before the policy has moved: step 1 runs at warmup lr 0)
         moved = [abs(r.get("rewards/margins", 1.0)) > 1e-4 for r in ref_rows]
         for key in set(UNTIMED(ref_rows)[0]) - {"step", "episode", "lr", "loss"}:
-            got, want = [r[key] for r, m in zip(rows, moved) if m or key != "rewards/accuracies"], [r[key] for r, m in zip(ref_rows, moved) if m or key != "rewards/accuracies"]
+            got, want = (
+                [r[key] for r, m in zip(rows, moved) if m or key != "rewards/accuracies"],
+                [r[key] for r, m in zip(ref_rows, moved) if m or key != "rewards/accuracies"],
+            )
             # ppo's approxkl and ratio variance square differences of log-probs, and ratio_min/max are one token's ratio
-            # (no average to smooth it): float noise in the log-probs of a policy that moved (approxkl 0.05) reaches 1.4e-4
+            # (no average to smooth it): float noise in the log-probs of a policy that moved (approxkl 0.05) reaches
+            # 1.4e-4
             # relative there by step 11
             rel = 1e-3 if key in ("policy/approxkl_avg", "val/ratio_var", "val/ratio_min", "val/ratio_max") else 1e-4
             assert got == pytest.approx(want, rel=rel, abs=1e-6), (script, split, key)
@@ -89,12 +154,19 @@ def test_split_invariance(split_runs):
 
 def test_lr_schedule_is_exact_for_every_split(split_runs):
     script, _, _, runs, _ = split_runs
-    # 2 epochs x 48 rows / 8 per step (grpo, ppo: 2 rollouts x 3 iterations/epochs x 2 mini-batches); ceil(0.25 x 12) warmup steps
+    # 2 epochs x 48 rows / 8 per step (grpo, ppo: 2 rollouts x 3 iterations/epochs x 2 mini-batches);
+    # ceil(0.25 x 12) warmup steps
     total, warmup, peak = 12, 3, 5e-4 if script in RL else 3e-3
-    expected = [peak * k / warmup if k < warmup else peak * 0.5 * (1 + math.cos(math.pi * (k - warmup) / (total - warmup))) for k in range(total)]
+    expected = [
+        peak * k / warmup if k < warmup else peak * 0.5 * (1 + math.cos(math.pi * (k - warmup) / (total - warmup)))
+        for k in range(total)
+    ]
     for split, out in runs.items():
         rows = read_metrics(out)
-        assert [r["step"] for r in rows] == list(range(1, total + 1)), (script, split)  # ends exactly at the last optimizer step
+        assert [r["step"] for r in rows] == list(range(1, total + 1)), (
+            script,
+            split,
+        )  # ends exactly at the last optimizer step
         assert [r["lr"] for r in rows] == pytest.approx(expected, rel=1e-9, abs=1e-15), (script, split)
 
 
@@ -102,9 +174,24 @@ def interrupted_run(script, args, nproc, out, stop_after, kill):
     """Start a run, wait until it has logged `stop_after` steps, then SIGTERM torchrun (what a preempted job gets; it
     forwards the signal to every process) or SIGKILL the whole process group (a lost node: no chance to save).
     Returns the launcher's exit code and output."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), os.path.join(ROOT, script)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        os.path.join(ROOT, script),
+    ]
     log = open(out.parent / f"{out.name}.log", "w+")
-    process = subprocess.Popen(command + [str(a) for a in args], cwd=ROOT, env=script_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        command + [str(a) for a in args],
+        cwd=ROOT,
+        env=script_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.time() + 300
     while time.time() < deadline and process.poll() is None:
         if os.path.exists(out / "metrics.jsonl") and len(open(out / "metrics.jsonl").readlines()) >= stop_after:
@@ -129,9 +216,15 @@ def test_sigterm_or_sigkill_then_resume_auto_continues_the_same_run(split_runs):
     straight = runs[(2, 4, 1)]
     rl = script in RL
     for kill in [False, True] if script == "sft.py" else [False]:
-        stop_after = random.randint(1, 5 if rl else 10)  # logged steps before the signal (grpo, ppo: within the first rollout)
+        stop_after = random.randint(
+            1, 5 if rl else 10
+        )  # logged steps before the signal (grpo, ppo: within the first rollout)
         out = root / f"interrupted_{kill}"
-        args = common_args(script, model, root / "small.jsonl", out) + reward + ["--per_device_train_batch_size", 4, "--save_every", 6, "--resume_from", "auto"]
+        args = (
+            common_args(script, model, root / "small.jsonl", out)
+            + reward
+            + ["--per_device_train_batch_size", 4, "--save_every", 6, "--resume_from", "auto"]
+        )
         returncode, output = interrupted_run(script, args, 2, out, stop_after, kill)
         message = (script, "SIGKILL" if kill else "SIGTERM", stop_after, output[-3000:])
         if kill:
@@ -145,13 +238,24 @@ def test_sigterm_or_sigkill_then_resume_auto_continues_the_same_run(split_runs):
         assert UNTIMED(read_metrics(out)) == UNTIMED(read_metrics(straight)), message
         a, b = load_file(straight / "model.safetensors"), load_file(out / "model.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a), message
-    if script == "sft.py":  # the same run continued on 1 process (micro-batch 8): DCP reshards; equal to split tolerance
+    if (
+        script == "sft.py"
+    ):  # the same run continued on 1 process (micro-batch 8): DCP reshards; equal to split tolerance
         out = root / "one_process"
-        args = common_args(script, model, root / "small.jsonl", out) + ["--per_device_train_batch_size", 8, "--resume_from", straight / "checkpoints" / "step_6"]
+        args = common_args(script, model, root / "small.jsonl", out) + [
+            "--per_device_train_batch_size",
+            8,
+            "--resume_from",
+            straight / "checkpoints" / "step_6",
+        ]
         result = run_script(script, args, nproc=1)
-        assert result.returncode == 0 and "resuming on 1 processes a run of 2" in result.stdout, result.stdout[-2000:] + result.stderr[-8000:]
+        assert result.returncode == 0 and "resuming on 1 processes a run of 2" in result.stdout, (
+            result.stdout[-2000:] + result.stderr[-8000:]
+        )
         rows, want = read_metrics(out), read_metrics(straight)[6:]
-        assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in want], rel=1e-4) and [r["step"] for r in rows] == list(range(7, 13))
+        assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in want], rel=1e-4) and [
+            r["step"] for r in rows
+        ] == list(range(7, 13))
         a, b = load_file(straight / "model.safetensors"), load_file(out / "model.safetensors")
         for name in a:
             torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-5, msg=name)
