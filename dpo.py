@@ -5,11 +5,14 @@ log-probabilities are computed once, before training, for the whole training spl
 (--no-precompute-ref-logps keeps it and recomputes them online; both give the same losses); (2) dropout is off in
 the policy, so the implicit reward is exactly 0 before the first step; (3) IPO uses summed log-probabilities, as the
 other losses do (TRL averages them over tokens for IPO); (4) optional RPO term (--rpo_alpha).
-Run:  torchrun --nproc_per_node 2 dpo.py --model_name_or_path runs/sft --dataset_name toy/preference --output_dir runs/dpo \
-          --learning_rate 1e-5 --beta 0.1 --num_train_epochs 1
-      torchrun --nproc_per_node 8 dpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name trl-lib/ultrafeedback_binarized --track
+Read `main` first; the functions below the Infrastructure line are the same in every script and can be skipped.
+Run:  torchrun --nproc_per_node 2 dpo.py --model_name_or_path runs/sft --dataset_name toy/preference \
+          --output_dir runs/dpo --learning_rate 1e-5 --beta 0.1 --num_train_epochs 1
+      torchrun --nproc_per_node 8 dpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
+          --dataset_name trl-lib/ultrafeedback_binarized --track
 """
 
+import collections
 import json
 import math
 import os
@@ -30,7 +33,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import tyro
 from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from tqdm import tqdm
@@ -103,8 +107,8 @@ class Args:
     save_every: int = -1
     """write a resumable checkpoint every this many optimizer steps (-1: never)"""
     resume_from: Optional[str] = None
-    """a checkpoint folder (output_dir/checkpoints/step_N) to continue the same run from; auto: the latest complete one in
-    output_dir, if any (the same command then starts a run and continues it after a preemption)"""
+    """a checkpoint folder (output_dir/checkpoints/step_N) to continue the same run from; auto: the latest complete one
+    in output_dir, if any (the same command then starts a run and continues it after a preemption)"""
     keep_last: int = -1
     """keep only the newest N checkpoints (-1: all)"""
     skip_nonfinite: int = 0
@@ -114,7 +118,8 @@ class Args:
     max_prompt_length: int = 512
     """pairs whose prompt is longer than this (in tokens) are dropped, and counted in a message at start"""
     max_completion_length: int = 1024
-    """pairs with a completion longer than this (in tokens, EOS included) are dropped, and counted in a message at start"""
+    """pairs with a completion longer than this (in tokens, EOS included) are dropped, and counted in a message at
+    start"""
 
     # batch sizes (computed)
     world_size: Optional[int] = None
@@ -138,23 +143,187 @@ class Args:
     rpo_alpha: float = 0.0
     """weight of the chosen completion's per-token NLL added to the loss (RPO, arXiv:2404.19733; 0: plain DPO)"""
     precompute_ref_logps: bool = True
-    """compute the reference log-probs once before training, then free the reference model (--no-...: keep it, online)"""
+    """compute the reference log-probs once before training, then free the reference model (--no-...: keep it and
+    compute them online)"""
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Shared helpers: pasted verbatim in every script that needs them (tests/test_consistency.py keeps them identical)
-# ---------------------------------------------------------------------------------------------------------------
-def init_distributed():
-    """torchrun sets RANK and WORLD_SIZE; plain `python script.py` is world size 1 on the same code path."""
+def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_lengths, args):
+    """Per-pair loss and the implicit rewards beta * log(pi / pi_ref) of both completions. With h = the chosen
+    log-ratio minus the rejected one: sigmoid -log sigmoid(beta h) (Eq. 7 of arXiv:2305.18290), mixed with
+    -log sigmoid(-beta h) by label_smoothing (conservative DPO: labels flipped with that probability);
+    ipo (h - 1 / (2 beta))^2 (Eq. 17 of arXiv:2310.12036); hinge max(0, 1 - beta h) (SLiC). Plus rpo_alpha x the
+    chosen completion's negative log-likelihood per token (RPO, Eq. 3 of arXiv:2404.19733): DPO alone can lower the
+    likelihood of the chosen answer too when the two completions differ by a token or two."""
+    beta, eps = args.beta, args.label_smoothing
+    chosen_ratio, rejected_ratio = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
+    h = chosen_ratio - rejected_ratio
+    if args.loss_type == "sigmoid":
+        losses = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+    elif args.loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:
+        losses = torch.relu(1 - beta * h)
+    losses = losses - args.rpo_alpha * chosen_logps / chosen_lengths
+    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def pair_logps(model, data, rows, pad_token_id):
+    """Summed log-probabilities of the chosen and of the rejected completion of `rows` (EOS included), in one
+    forward of 2 x len(rows) sequences; also the chosen completions' lengths and the tokens processed."""
+    prompts = [data["prompt"][i] for i in rows]
+    completions = [data["chosen"][i] for i in rows] + [data["rejected"][i] for i in rows]
+    device = next(model.parameters()).device
+    input_ids, attention_mask, completion_mask = [t.to(device) for t in make_batch(prompts + prompts, completions,
+                                                                                      pad_token_id)]
+    logps = (completion_logprobs(model, input_ids, attention_mask, completion_mask.shape[1]) * completion_mask).sum(1)
+    return logps[: len(rows)], logps[len(rows) :], completion_mask[: len(rows)].sum(1), attention_mask.sum()
+
+
+@torch.no_grad()
+def reference_table(ref_model, data, args, pad_token_id, rank):
+    """Summed reference log-probs of the chosen and rejected completions of every row of `data`, as a (rows, 2)
+    table: each rank computes its share and the sum gives every rank all of it. The rows are always grouped the
+    same way, so the table, and a run resumed from a checkpoint, are identical to the bit."""
+    table = torch.zeros(len(data["prompt"]), 2, device=next(ref_model.parameters()).device)
+    for rows, valid in rank_micro_batches(len(data["prompt"]), rank, args.world_size, args.per_device_eval_batch_size):
+        chosen, rejected, _, _ = pair_logps(ref_model, data, rows, pad_token_id)
+        table[rows] += valid * torch.stack([chosen, rejected], 1)
+    dist.all_reduce(table)
+    return table
+
+
+@torch.no_grad()
+def reference_logps(ref_model, table, data, rows, pad_token_id):
+    """The reference log-probs of the chosen and rejected completions of `rows`: from the precomputed table, or
+    (--no-precompute-ref-logps, table None) from a forward of the reference model."""
+    if table is not None:
+        return table[rows].unbind(1)
+    return pair_logps(ref_model, data, rows, pad_token_id)[:2]
+
+
+@torch.no_grad()
+def evaluate(model, ref_model, table, test, args, pad_token_id, rank):
+    """Mean loss and accuracy of the implicit reward (chosen above rejected) over the test pairs, each rank its
+    share."""
+    model.eval()
+    totals = torch.zeros(2, device=next(model.parameters()).device)
+    for rows, valid in rank_micro_batches(len(test["prompt"]), rank, args.world_size, args.per_device_eval_batch_size):
+        chosen, rejected, lengths, _ = pair_logps(model, test, rows, pad_token_id)
+        ref_chosen, ref_rejected = reference_logps(ref_model, table, test, rows, pad_token_id)
+        loss, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, lengths, args)
+        totals += valid * torch.stack([loss.sum(), (chosen_rewards > rejected_rewards).sum()])
+    dist.all_reduce(totals)
+    model.train()
+    loss, accuracy = (totals / len(test["prompt"])).tolist()
+    return {"eval/loss": loss, "eval/accuracy": accuracy}
+
+
+def main(args):
+    # 1. distributed init, computed batch sizes, seeds, signal handlers (setup, in the appendix)
+    rank, world_size, device = setup(args)
+    if args.label_smoothing > 0 and args.loss_type != "sigmoid":
+        raise ValueError(f"--label_smoothing applies to --loss_type sigmoid only (got {args.loss_type})")
+
+    # 2. data: every rank tokenises the same rows, so each knows the whole global batch
+    tokenizer, pad_token_id = load_tokenizer(args)
+    train, test, dropped = load_data(args, tokenizer, tokenize_preference, rank)
+    epochs_of(len(train["prompt"]), args, dropped, rank)  # sets args.num_training_steps
+
+    # 3. models + FSDP2: the policy, then the frozen reference (the same SFT model unless --ref_model_name_or_path)
+    # (dropout off in both: the implicit reward compares their log-probs, with no noise in either)
+    model = load_trained(AutoModelForCausalLM, args.model_name_or_path, args, "--model_name_or_path", device)
+    ref_path = args.ref_model_name_or_path or args.model_name_or_path
+    ref_model = load_frozen(AutoModelForCausalLM, ref_path, args, "--ref_model_name_or_path", device)
+    tables = {"train": None, "test": None}  # the reference log-probs, once, before training; then the model is freed
+    if args.precompute_ref_logps:
+        tables = {name: reference_table(ref_model, data, args, pad_token_id, rank) if data else None
+                  for name, data in (("train", train), ("test", test))}
+        ref_model = None
+        if rank == 0:
+            print(f"reference log-probs computed for {len(train['prompt'])} training pairs and "
+                  f"{len(test['prompt']) if test else 0} test pairs")
+
+    # 4. optimizer and LR schedule, its total fixed now (or both restored by --resume_from)
+    optimizer, scheduler, start_step, state = make_optimizer(model, args)
+    metrics_path = open_metrics(args, start_step, rank)
+
+    # 5. training loop
+    model.train()
+    progress = tqdm(total=args.num_training_steps, initial=start_step, disable=rank != 0, desc="dpo")
+    stop = False  # a SIGTERM/SIGINT seen at an optimizer step (a resumed run may have no step left)
+    tokens, window_start = torch.zeros((), device=device), time.time()
+    for step in range(start_step, args.num_training_steps):
+        batch = global_batch(step, len(train["prompt"]), args.batch_size, args.seed)
+        last = collections.defaultdict(lambda: torch.zeros((), device=device))  # this step, this rank's part
+        for micro in micro_batches(batch, args, rank):
+            chosen, rejected, lengths, micro_tokens = pair_logps(model, train, micro, pad_token_id)
+            ref_chosen, ref_rejected = reference_logps(ref_model, tables["train"], train, micro, pad_token_id)
+            losses, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, lengths,
+                                                                args)
+            # ALGO LOGIC: the mean over the global batch of pairs, whatever the split (each part divided by its size)
+            loss = losses.sum() / args.batch_size
+            loss.backward()
+            last["loss"] += loss.detach()
+            pairs = {"rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,
+                     "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
+                     "rewards/margins": chosen_rewards - rejected_rewards,
+                     "logps/chosen": chosen, "logps/rejected": rejected}
+            for name, values in pairs.items():  # means over the global batch
+                last[name] += values.detach().sum() / args.batch_size
+            tokens += micro_tokens
+        done = step + 1
+        lr, grad_norm, stop = optimizer_step(model, optimizer, scheduler, last["loss"], done, args, state["skipped"])
+        progress.update(1)
+
+        if is_due(done, args.log_every, args) or is_due(done, args.eval_every, args):
+            totals = reduce_sums({**last, "tokens": tokens})  # the last step's statistics, the window's tokens
+            metrics = {"step": done, "episode": done * args.batch_size, "lr": lr, "grad_norm": grad_norm.item(),
+                       "tokens_per_second": totals.pop("tokens") / (time.time() - window_start), **totals}
+            if is_due(done, args.eval_every, args) and test and test["prompt"]:
+                metrics.update(evaluate(model, ref_model, tables["test"], test, args, pad_token_id, rank))
+            log_metrics(metrics, metrics_path, args, progress, rank)
+            tokens, window_start = torch.zeros((), device=device), time.time()
+        if (args.save_every > 0 and done % args.save_every == 0) or stop:
+            checkpoint = save_checkpoint(model, optimizer, scheduler, done, args, state)
+        if stop:
+            break
+    progress.close()
+    if stop:
+        leave_after_signal(checkpoint, rank)
+
+    # 6. save the Hugging Face folder; report the peak memory
+    finish(model, tokenizer, args, device, rank)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Infrastructure: identical in every script that has it (tests/test_consistency.py). Skip it on a first read.
+# ---------------------------------------------------------------------------------------------------------------------
+def setup(args):
+    """Distributed init (torchrun sets RANK and WORLD_SIZE; `python script.py` is world size 1 on the same code path),
+    SIGTERM/SIGINT handlers, --resume_from auto, the computed batch sizes, the seeds and the output folder. Returns
+    rank, world size, device. TRY NOT TO MODIFY: each rank seeds its own stream (dropout); the data order and the
+    sampling use generators of their own, seeded by step."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" in os.environ:
         dist.init_process_group(backend)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    return dist.get_rank(), dist.get_world_size(), device
+    signal.signal(signal.SIGTERM, request_stop)  # preemption: checkpoint at the next optimizer step, then leave
+    signal.signal(signal.SIGINT, request_stop)
+    if args.resume_from == "auto":  # the latest complete checkpoint; None: nothing to continue, start at step 0
+        args.resume_from = (complete_checkpoints(args.output_dir) or [None])[-1]
+    args.world_size = world_size
+    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    args.batch_size = args.local_batch_size * world_size
+    random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    os.makedirs(args.output_dir, exist_ok=True)
+    return rank, world_size, device
 
 
 def load_split(name, split):
@@ -164,7 +333,8 @@ def load_split(name, split):
         builders = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}
         extension = name.rsplit(".", 1)[-1]
         if extension not in builders:
-            raise ValueError(f"dataset file {name!r}: unknown format .{extension}; give a .json, .jsonl, .parquet or .csv file, a folder of them, or a hub id")
+            raise ValueError(f"dataset file {name!r}: unknown format .{extension}; give a .json, .jsonl, .parquet or "
+                             ".csv file, a folder of them, or a hub id")
         return datasets.load_dataset(builders[extension], data_files=name, split="train") if split == "train" else None
     if os.path.isfile(os.path.join(name, "dataset_dict.json")):  # a DatasetDict written by save_to_disk
         dataset_dict = datasets.load_from_disk(name)
@@ -176,13 +346,14 @@ def load_split(name, split):
             return None
         raise
     except FileNotFoundError as e:
-        raise ValueError(f"dataset {name!r} is neither a local file or folder of data files nor a dataset on the hub: {e}") from e
+        raise ValueError(f"dataset {name!r} is neither a local file or folder of data files nor a dataset on the hub: "
+                         f"{e}") from e
 
 
 def load_pretrained(auto_class, path, args, flag):
-    """auto_class.from_pretrained(path), stopping with a message that names the flag when `path` is not such a model or
-    tokenizer, or when the model lacks weights (a causal LM given as a reward model would get a random score head: HF only
-    warns). Code from the hub runs only with --trust_remote_code."""
+    """auto_class.from_pretrained(path), stopping with a message that names the flag when `path` is not such a model
+    or tokenizer, or when the model lacks weights (a causal LM given as a reward model would get a random score head:
+    HF only warns). Code from the hub runs only with --trust_remote_code."""
     model_kwargs = {} if auto_class is AutoTokenizer else {"dtype": torch.float32, "output_loading_info": True}
     try:
         loaded = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **model_kwargs)
@@ -192,27 +363,35 @@ def load_pretrained(auto_class, path, args, flag):
         return loaded
     model, info = loaded
     if info["missing_keys"]:
-        raise ValueError(f"{flag} {path!r} has no weights for {sorted(info['missing_keys'])} as {type(model).__name__}: "
-                         "give a model of that kind (a reward model: the output folder of reward.py)")
+        raise ValueError(f"{flag} {path!r} has no weights for {sorted(info['missing_keys'])} as "
+                         f"{type(model).__name__}: give a model of that kind (a reward model: the output folder of "
+                         "reward.py)")
     return model
 
 
-def global_batch(step, num_rows, batch_size, seed):
-    """Row indices of global batch number `step` (of an optimizer step; of a rollout in RL scripts): the same on every
-    rank and a function of the step alone, so a resumed run sees the same data. Reshuffled every epoch; each epoch
-    leaves its remainder rows out."""
-    epoch, position = divmod(step, num_rows // batch_size)
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-    return order[position * batch_size : (position + 1) * batch_size].tolist()
+def load_tokenizer(args):
+    """The tokenizer of --model_name_or_path and the pad token id (its EOS when it has no pad token)."""
+    tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer of {args.model_name_or_path} has no eos_token: completions could never end")
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return tokenizer, pad_token_id
 
 
-def rank_micro_batches(num_rows, rank, world_size, size):
-    """This rank's share of rows 0..num_rows-1 in micro-batches of `size`, as many on every rank because each forward
-    of an FSDP model is a collective: a rank that has run out gets row 0 with valid=False, to be ignored."""
-    share = list(range(rank, num_rows, world_size))
-    for start in range(0, math.ceil(num_rows / world_size), size):
-        rows = share[start : start + size]
-        yield (rows, True) if rows else ([0], False)
+def load_data(args, tokenizer, tokenize, rank):
+    """The train and test splits of --dataset_name through tokenize(dataset, tokenizer, args) -> (columns, dropped).
+    Every rank holds all of it, so each knows the whole global batch. Returns train, test (None: no such split) and
+    the train split's dropped rows by reason."""
+    train_dataset = load_split(args.dataset_name, args.dataset_train_split)
+    if train_dataset is None:
+        raise ValueError(f"dataset {args.dataset_name!r} has no split {args.dataset_train_split!r}")
+    train, dropped = tokenize(train_dataset, tokenizer, args)
+    eval_dataset = load_split(args.dataset_name, args.dataset_test_split)
+    test = tokenize(eval_dataset, tokenizer, args)[0] if eval_dataset else None
+    if rank == 0:
+        print(f"train: {len(train['prompt'])} of {len(train_dataset)} rows kept; dropped: {dropped}")
+        print(f"eval: {len(test['prompt'])} rows" if test else f"no split {args.dataset_test_split!r}: eval skipped")
+    return train, test, dropped
 
 
 def tokenize_prompt_completion(tokenizer, prompt, completion):
@@ -230,10 +409,88 @@ def tokenize_prompt_completion(tokenizer, prompt, completion):
         prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]  # the template has them
     completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
     # a chat template ends the turn itself, sometimes with text after EOS (Qwen: "<|im_end|>\n"): no second EOS then
-    ended = tokenizer.eos_token_id in completion_ids if not isinstance(prompt, str) else completion_ids[-1:] == [tokenizer.eos_token_id]
+    eos = tokenizer.eos_token_id
+    ended = eos in completion_ids if not isinstance(prompt, str) else completion_ids[-1:] == [eos]
     if not ended:
-        completion_ids = completion_ids + [tokenizer.eos_token_id]
+        completion_ids = completion_ids + [eos]
     return prompt_ids, completion_ids
+
+
+def tokenize_preference(dataset, tokenizer, args):
+    """Rows of prompt/chosen/rejected (strings or message lists; without a prompt column, conversations whose shared
+    opening is the prompt) -> {"prompt", "chosen", "rejected", "margin"} lists of token ids (margin: the optional
+    column, else 0). Empty completions and over-long rows are dropped and counted, never silently."""
+    columns = dataset.column_names
+    if "chosen" not in columns or "rejected" not in columns:
+        raise ValueError(
+            f"dataset {args.dataset_name!r} has columns {columns}, but preference data needs 'chosen' and 'rejected' "
+            "columns, with 'prompt' (standard: strings; conversational: lists of {'role', 'content'} messages) or "
+            "without it (conversational only: the messages before the last one are the prompt)"
+        )
+    prompts = dataset["prompt"] if "prompt" in columns else [None] * len(dataset)
+    margins = dataset["margin"] if "margin" in columns else [0.0] * len(dataset)
+    data = {"prompt": [], "chosen": [], "rejected": [], "margin": []}
+    dropped = {"empty completion": 0, "prompt too long": 0, "completion too long": 0}
+    for prompt, chosen, rejected, margin in zip(prompts, dataset["chosen"], dataset["rejected"], margins):
+        if prompt is None:  # implicit prompt (e.g. trl-lib/ultrafeedback_binarized)
+            if isinstance(chosen, str) or chosen[:-1] != rejected[:-1]:
+                raise ValueError(f"dataset {args.dataset_name!r} has no 'prompt' column and its chosen/rejected are "
+                                 "not two conversations that differ only in their last message")
+            prompt, chosen, rejected = chosen[:-1], chosen[-1:], rejected[-1:]
+        if any(not c if isinstance(c, str) else not c or not c[-1]["content"] for c in (chosen, rejected)):
+            dropped["empty completion"] += 1
+            continue
+        prompt_ids, chosen_ids = tokenize_prompt_completion(tokenizer, prompt, chosen)
+        _, rejected_ids = tokenize_prompt_completion(tokenizer, prompt, rejected)
+        if len(prompt_ids) > args.max_prompt_length:
+            dropped["prompt too long"] += 1
+        elif max(len(chosen_ids), len(rejected_ids)) > args.max_completion_length:
+            dropped["completion too long"] += 1
+        else:
+            for key, value in zip(data, (prompt_ids, chosen_ids, rejected_ids, float(margin))):
+                data[key].append(value)
+    return data, dropped
+
+
+def epochs_of(num_rows, args, dropped, rank):
+    """--max_steps optimizer steps, or --num_train_epochs passes of whole global batches; sets num_training_steps."""
+    steps_per_epoch = num_rows // args.batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(f"{num_rows} training rows cannot fill one global batch of {args.batch_size}; dropped: "
+                         f"{dropped}. Lower the batch sizes or the number of processes, use more data, or raise "
+                         "--max_prompt_length / --max_completion_length if the rows were dropped as too long")
+    args.num_training_steps = args.max_steps if args.max_steps > 0 else args.num_train_epochs * steps_per_epoch
+    if rank == 0:
+        print(f"{args.world_size} processes x {args.per_device_train_batch_size} per micro-batch x "
+              f"{args.gradient_accumulation_steps} accumulation = global batch {args.batch_size}; {steps_per_epoch} "
+              f"steps per epoch ({num_rows % args.batch_size} rows left out of each epoch, reshuffled every epoch)")
+
+
+def global_batch(step, num_rows, batch_size, seed):
+    """Row indices of global batch number `step` (of an optimizer step; of a rollout in RL scripts): the same on every
+    rank and a function of the step alone, so a resumed run sees the same data. Reshuffled every epoch; each epoch
+    leaves its remainder rows out."""
+    epoch, position = divmod(step, num_rows // batch_size)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return order[position * batch_size : (position + 1) * batch_size].tolist()
+
+
+def micro_batches(batch, args, rank):
+    """This rank's micro-batches of a global batch: gradient_accumulation_steps of per_device_train_batch_size rows,
+    the k-th starting at row (k x world_size + rank) x size, so that every split reads the same global batch."""
+    size = args.per_device_train_batch_size
+    for k in range(args.gradient_accumulation_steps):
+        start = (k * args.world_size + rank) * size
+        yield batch[start : start + size]
+
+
+def rank_micro_batches(num_rows, rank, world_size, size):
+    """This rank's share of rows 0..num_rows-1 in micro-batches of `size`, as many on every rank because each forward
+    of an FSDP model is a collective: a rank that has run out gets row 0 with valid=False, to be ignored."""
+    share = list(range(rank, num_rows, world_size))
+    for start in range(0, math.ceil(num_rows / world_size), size):
+        rows = share[start : start + size]
+        yield (rows, True) if rows else ([0], False)
 
 
 def pad(sequences, value, side):
@@ -269,18 +526,28 @@ def completion_logprobs(model, input_ids, attention_mask, completion_width, temp
         return logprobs, logsumexp - (logits.softmax(-1) * logits).sum(-1)
 
 
+def disable_dropout(model):
+    """Dropout off: every dropout layer, and the attention dropout that HF models read from an attribute."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
 def shard_model(model, args, device):
     """FSDP2: each decoder layer, then the root (embeddings, final norm, head). Gradients are summed over ranks,
     not averaged: every loss here is already divided by a count taken over the whole global batch."""
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     bf16 = args.bf16 and device.type == "cuda"
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
+    mixed = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
+    policies = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)),
+                "mp_policy": MixedPrecisionPolicy(**mixed),
+                "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()}
     layer_classes = set(model._no_split_modules or [])  # HF's name for the decoder layer classes
     for module in model.modules():
         if type(module).__name__ in layer_classes:
-            fully_shard(module, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy, reshard_after_forward=args.reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)  # the root keeps its own: it runs first in the backward
+            fully_shard(module, reshard_after_forward=args.reshard_after_forward, **policies)
+    fully_shard(model, **policies)  # the root keeps its own default: it runs first in the backward
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -288,19 +555,113 @@ def shard_model(model, args, device):
     return model
 
 
+def load_trained(auto_class, path, args, flag, device):
+    """A model to train: loaded, dropout off (the log-probs and values of the same tokens must not change between the
+    passes that compare them), activations recomputed in the backward with --gradient_checkpointing, sharded."""
+    model = load_pretrained(auto_class, path, args, flag)
+    disable_dropout(model)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return shard_model(model, args, device)
+
+
+def load_frozen(auto_class, path, args, flag, device):
+    """A model that is not trained (a reference or a reward model): loaded, dropout off, no gradients, eval mode,
+    sharded like the policy."""
+    model = load_pretrained(auto_class, path, args, flag)
+    disable_dropout(model.requires_grad_(False).eval())
+    return shard_model(model, args, device)
+
+
 def make_optimizer(model, args):
+    """AdamW (fused: one kernel over all parameters; foreach over DTensors took 2-3x the time on CPU) or TF Adam; the
+    LR schedule, fixed now for num_training_steps and stepped once per optimizer step; and the step and the loop's own
+    state from --resume_from (else 0 and a fresh {"skipped": []})."""
     if args.optimizer == "adam_tf":
-        return AdamTF(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
-    return torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon, weight_decay=args.weight_decay,
-                             fused=True)  # one kernel over all parameters (foreach over DTensors: 2-3x the time on CPU)
+        optimizer = AdamTF(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon,
+                                      weight_decay=args.weight_decay, fused=True)
+    warmup = math.ceil(args.warmup_ratio * args.num_training_steps)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                              num_training_steps=args.num_training_steps)
+    start_step, state = (0, {"skipped": []})
+    if args.resume_from:
+        start_step, state = load_checkpoint(args.resume_from, model, optimizer, scheduler, args)
+    return optimizer, scheduler, start_step, state
+
+
+def optimizer_step(model, optimizer, scheduler, loss, step, args, skipped):
+    """Clip the gradient norm (--max_grad_norm; 0: measured only), apply the update unless guard_step refuses it,
+    step the LR schedule once, clear the gradients. `loss` is this rank's part of the step's loss. Returns the
+    learning rate the step used, the gradient norm, and whether to stop (a signal arrived)."""
+    max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    update, stop = guard_step(loss, grad_norm, step, args, skipped)
+    if update:
+        optimizer.step()
+    lr = scheduler.get_last_lr()[0]  # the learning rate this step used
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lr, grad_norm, stop
+
+
+def is_due(step, every, args):
+    """Whether to log (or evaluate) after optimizer step `step`: every `every` steps (-1: never), and the last one."""
+    return step == args.num_training_steps or (every > 0 and step % every == 0)
+
+
+def reduce_sums(sums):
+    """{name: this rank's running sum (a 0-d tensor)} -> {name: the sum over all ranks}, in one all-reduce. Every
+    rank runs the same code, so every rank has the same names."""
+    names = sorted(sums)
+    totals = torch.stack([sums[name].float() for name in names])
+    dist.all_reduce(totals)
+    return dict(zip(names, totals.tolist()))
+
+
+def open_metrics(args, start_step, rank):
+    """Rank 0: the wandb run (--track) and output_dir/metrics.jsonl; a resumed run continues the file, and the rows
+    logged after its checkpoint are dropped. Returns the file's path."""
+    path = os.path.join(args.output_dir, "metrics.jsonl")
+    if rank == 0:
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), save_code=True,
+                       name=f"{args.exp_name}__{args.seed}__{int(time.time())}")
+        old = [json.loads(line) for line in open(path)] if start_step > 0 and os.path.exists(path) else []
+        with open(path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in old if row["step"] <= start_step)
+    return path
+
+
+def log_metrics(metrics, path, args, progress, rank, samples=None):
+    """Rank 0 prints the metrics, appends them to metrics.jsonl and logs them to wandb. `samples`: a table of
+    completions, its first row the header (prompt, completion, then numbers), printed and logged as a wandb table.
+    No collective here: the metrics are reduced before."""
+    if rank != 0:
+        return
+    progress.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+    for prompt, completion, *numbers in (samples or [[]])[1:]:
+        values = ", ".join(f"{name} {value:+.3f}" for name, value in zip(samples[0][2:], numbers))
+        progress.write(f"  {values} | {prompt!r} -> {completion!r}")
+    with open(path, "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    if args.track:
+        import wandb
+
+        table = {"samples": wandb.Table(columns=samples[0], data=samples[1:])} if samples else {}
+        wandb.log({**metrics, **table}, step=metrics["step"])
 
 
 STOP_SIGNALS = []  # signals received: request_stop appends, guard_step reads
 
 
 def request_stop(signum, frame):
-    """SIGTERM (preemption: torchrun forwards it to every process) or SIGINT (Ctrl-C) only raise a flag; the loop sees it
-    at the next optimizer step, saves a checkpoint and leaves. A second Ctrl-C stops at once."""
+    """SIGTERM (preemption: torchrun forwards it to every process) or SIGINT (Ctrl-C) only raise a flag; the loop sees
+    it at the next optimizer step, saves a checkpoint and leaves. A second Ctrl-C stops at once."""
     if signum == signal.SIGINT and STOP_SIGNALS:
         raise KeyboardInterrupt
     STOP_SIGNALS.append(signum)
@@ -308,11 +669,12 @@ def request_stop(signum, frame):
 
 def guard_step(loss, grad_norm, step, args, skipped):
     """Before optimizer.step(), one all-reduce: is this step's loss (this rank's part) or gradient norm NaN or inf
-    anywhere, and has any rank been asked to stop? Every rank gets the same answer and takes the same branch. A non-finite
-    step is not applied, up to --skip_nonfinite times (`skipped` lists them); past that the run stops with a message
-    naming the step, the metric and the last complete checkpoint. Returns (apply the update, stop now)."""
+    anywhere, and has any rank been asked to stop? Every rank gets the same answer and takes the same branch. A
+    non-finite step is not applied, up to --skip_nonfinite times (`skipped` lists them); past that the run stops with
+    a message naming the step, the metric and the last complete checkpoint. Returns (apply the update, stop now)."""
     norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    flags = torch.stack([(~torch.isfinite(loss)).float(), (~torch.isfinite(norm)).float(), torch.tensor(float(bool(STOP_SIGNALS)), device=norm.device)])
+    stop_flag = torch.tensor(float(bool(STOP_SIGNALS)), device=norm.device)
+    flags = torch.stack([(~torch.isfinite(loss)).float(), (~torch.isfinite(norm)).float(), stop_flag])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     bad_loss, bad_norm, stop = flags.tolist()
     if not bad_loss and not bad_norm:
@@ -321,12 +683,14 @@ def guard_step(loss, grad_norm, step, args, skipped):
     skipped.append(step)
     if len(skipped) <= args.skip_nonfinite:
         if dist.get_rank() == 0:
-            print(f"step {step}: non-finite {what}: update skipped ({len(skipped)} of --skip_nonfinite {args.skip_nonfinite})")
+            print(f"step {step}: non-finite {what}: update skipped ({len(skipped)} of --skip_nonfinite "
+                  f"{args.skip_nonfinite})")
         return False, stop > 0
+    last = (complete_checkpoints(args.output_dir) or ["none (see --save_every)"])[-1]
     raise FloatingPointError(
         f"step {step}: non-finite {what} (grad_norm {norm.item()}); the model was not updated with it. Last complete "
-        f"checkpoint: {(complete_checkpoints(args.output_dir) or ['none (see --save_every)'])[-1]}. Resume from it with a lower "
-        "--learning_rate or --max_grad_norm, check this step's data, or pass --skip_nonfinite N to skip up to N such steps")
+        f"checkpoint: {last}. Resume from it with a lower --learning_rate or --max_grad_norm, check this step's data, "
+        "or pass --skip_nonfinite N to skip up to N such steps")
 
 
 def leave_after_signal(checkpoint, rank):
@@ -334,7 +698,8 @@ def leave_after_signal(checkpoint, rank):
     128 + the signal, so that a job scheduler sees an interrupted run, not a finished one."""
     signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # the signal may have reached another rank only
     if rank == 0:
-        print(f"stopped by {signal.Signals(signum).name}: checkpoint {checkpoint}; the same command with --resume_from auto continues the run")
+        print(f"stopped by {signal.Signals(signum).name}: checkpoint {checkpoint}; the same command with "
+              "--resume_from auto continues the run")
     dist.barrier()
     dist.destroy_process_group()
     sys.exit(128 + signum)
@@ -342,8 +707,8 @@ def leave_after_signal(checkpoint, rank):
 
 def complete_checkpoint(path):
     """The manifest (checkpoint.json) of a complete checkpoint folder, else None: the folder is named after its step,
-    and every file the manifest lists is there at its size (a folder still being written, truncated or copied in part
-    fails this)."""
+    and every file the manifest lists is there at its size (a folder still being written, truncated or copied in
+    part fails this)."""
     try:
         manifest = json.load(open(os.path.join(path, "checkpoint.json")))
         sizes = all(os.path.getsize(os.path.join(path, name)) == size for name, size in manifest["files"].items())
@@ -361,11 +726,11 @@ def complete_checkpoints(output_dir):
 
 
 def save_checkpoint(model, optimizer, scheduler, step, args, state):
-    """output_dir/checkpoints/step_N: model and optimizer tensors (torch.distributed.checkpoint, sharded), and per rank
-    the scheduler, the RNG states and `state` (the loop's own: skipped steps, the KL controller) in a weights_only file.
-    Written as step_N.tmp; when every rank is done, rank 0 lists each file with its size in checkpoint.json (with the
-    arguments) and renames the folder, so a crash while saving leaves the previous checkpoint the latest complete one.
-    --keep_last N then removes the older ones. Returns the folder."""
+    """output_dir/checkpoints/step_N: model and optimizer tensors (torch.distributed.checkpoint, sharded), and per
+    rank the scheduler, the RNG states and `state` (the loop's own: skipped steps, the KL controller) in a
+    weights_only file. Written as step_N.tmp; when every rank is done, rank 0 lists each file with its size in
+    checkpoint.json (with the arguments) and renames the folder, so a crash while saving leaves the previous
+    checkpoint the latest complete one. --keep_last N then removes the older ones. Returns the folder."""
     rank = dist.get_rank()
     path = os.path.join(args.output_dir, "checkpoints", f"step_{step}")
     if rank == 0:
@@ -376,7 +741,8 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state):
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state}, f"{path}.tmp/rank{rank}.pt")
+    extra = {"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state}
+    torch.save(extra, f"{path}.tmp/rank{rank}.pt")
     dist.barrier()
     if rank == 0:
         files = {name: os.path.getsize(os.path.join(f"{path}.tmp", name)) for name in os.listdir(f"{path}.tmp")}
@@ -393,27 +759,32 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state):
 
 
 # arguments that may change when a run resumes: where it logs, how often, and how the same global batch is split
-RESUMABLE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "resume_from", "log_every", "eval_every", "save_every",
-             "keep_last", "skip_nonfinite", "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size",
-             "local_rollout_forward_batch_size", "gradient_checkpointing", "cpu_offload", "reshard_after_forward", "world_size", "local_batch_size"}
+RESUMABLE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "resume_from", "log_every",
+             "eval_every", "save_every", "keep_last", "skip_nonfinite", "per_device_train_batch_size",
+             "gradient_accumulation_steps", "per_device_eval_batch_size", "local_rollout_forward_batch_size",
+             "cache_implementation", "gradient_checkpointing", "cpu_offload", "reshard_after_forward", "world_size",
+             "local_batch_size"}
 
 
 class CheckpointReader(dcp.FileSystemReader):
-    """DCP's file reader, with its .metadata (a pickle) read through an allow-list: DCP's metadata classes, torch sizes,
-    dtypes and layouts, paths. Loading a checkpoint cannot run code planted in it; the tensors are raw bytes, and
-    save_checkpoint writes no pickled objects (the rest is in json and weights_only files)."""
+    """DCP's file reader, with its .metadata (a pickle) read through an allow-list: DCP's metadata classes, torch
+    sizes, dtypes and layouts, paths. Loading a checkpoint cannot run code planted in it; the tensors are raw bytes,
+    and save_checkpoint writes no pickled objects (the rest is in json and weights_only files)."""
 
     def read_metadata(self, *args, **kwargs):
+        allowed_names = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                         ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                         ("pathlib", "WindowsPath"), ("pathlib", "Path")}
+
         def allowed(module, name):
-            return (module == "torch.distributed.checkpoint.metadata" or (module, name) in {
-                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-                ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "Path")}
-                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+            return (module == "torch.distributed.checkpoint.metadata" or (module, name) in allowed_names
+                    or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
 
         class Unpickler(pickle.Unpickler):
             def find_class(self, module, name):
                 if not allowed(module, name):
-                    raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}: not a DCP metadata class")
+                    raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}: not a DCP "
+                                                 "metadata class")
                 return super().find_class(module, name)
 
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
@@ -424,24 +795,26 @@ class CheckpointReader(dcp.FileSystemReader):
 
 
 def load_checkpoint(path, model, optimizer, scheduler, args):
-    """Restore a checkpoint of save_checkpoint, after checking that it is complete and belongs to this run: every argument
-    outside RESUMABLE must match (model, data, seed, schedule, algorithm, the global batch). The number of processes may
-    change if the global batch stays the same (DCP reshards; the per-rank RNG streams then restart). Nothing is
-    unpickled. Returns the step and the loop's own state."""
+    """Restore a checkpoint of save_checkpoint, after checking that it is complete and belongs to this run: every
+    argument outside RESUMABLE must match (model, data, seed, schedule, algorithm, the global batch). The number of
+    processes may change if the global batch stays the same (DCP reshards; the per-rank RNG streams then restart).
+    Nothing is unpickled. Returns the step and the loop's own state."""
     manifest = complete_checkpoint(path)
     if manifest is None:
-        raise ValueError(f"--resume_from {path!r} is not a complete checkpoint (a step_N folder whose checkpoint.json lists "
-                         f"files that are all there); --resume_from auto picks the latest complete one")
+        raise ValueError(f"--resume_from {path!r} is not a complete checkpoint (a step_N folder whose checkpoint.json "
+                         "lists files that are all there); --resume_from auto picks the latest complete one")
     now = json.loads(json.dumps(vars(args)))
-    mismatched = [f"{name} {manifest['args'].get(name)!r} in the checkpoint, {value!r} now" for name, value in now.items()
-                  if name not in RESUMABLE and manifest["args"].get(name) != value]
+    mismatched = [f"{name} {manifest['args'].get(name)!r} in the checkpoint, {value!r} now"
+                  for name, value in now.items() if name not in RESUMABLE and manifest["args"].get(name) != value]
     if mismatched:
-        raise ValueError(f"checkpoint {path} does not match the arguments: {'; '.join(mismatched)}. Resume with the arguments "
-                         "it was written with (batch_size = processes x --per_device_train_batch_size x --gradient_accumulation_steps), "
-                         "or start a new run in another --output_dir")
+        raise ValueError(f"checkpoint {path} does not match the arguments: {'; '.join(mismatched)}. Resume with the "
+                         "arguments it was written with (batch_size = processes x --per_device_train_batch_size x "
+                         "--gradient_accumulation_steps), or start a new run in another --output_dir")
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state["state"]}
-    dcp.load(state, storage_reader=CheckpointReader(path))
+    reader = CheckpointReader(path)
+    reader.read_metadata()  # a refusal surfaces here: DCP itself (torch 2.11) swallows read_metadata's errors
+    dcp.load(state, storage_reader=reader)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict={"state": state["optimizer"], "param_groups": optimizer_state["param_groups"]})
     same_processes = manifest["args"]["world_size"] == args.world_size
@@ -455,8 +828,8 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
         if "cuda" in extra["rng"]:
             torch.cuda.set_rng_state(extra["rng"]["cuda"])
     elif dist.get_rank() == 0:
-        print(f"resuming on {args.world_size} processes a run of {manifest['args']['world_size']}: same weights, optimizer, "
-              "schedule and data order; the per-process random streams (dropout) restart")
+        print(f"resuming on {args.world_size} processes a run of {manifest['args']['world_size']}: same weights, "
+              "optimizer, schedule and data order; the per-process random streams (dropout) restart")
     return extra["step"], extra["state"]
 
 
@@ -472,262 +845,24 @@ def save_hf_model(model, tokenizer, output_dir, rank):
         tokenizer.save_pretrained(output_dir)
 
 
-def tokenize_preference(dataset, tokenizer, args):
-    """Rows of prompt/chosen/rejected (strings or message lists; without a prompt column, conversations whose shared
-    opening is the prompt) -> {"prompt", "chosen", "rejected", "margin"} lists of token ids (margin: the optional
-    column, else 0). Empty completions and over-long rows are dropped and counted, never silently."""
-    columns = dataset.column_names
-    if "chosen" not in columns or "rejected" not in columns:
-        raise ValueError(
-            f"dataset {args.dataset_name!r} has columns {columns}, but preference data needs 'chosen' and 'rejected' "
-            "columns, with 'prompt' (standard: strings; conversational: lists of {'role', 'content'} messages) or without "
-            "it (conversational only: the messages before the last one are the prompt)"
-        )
-    prompts = dataset["prompt"] if "prompt" in columns else [None] * len(dataset)
-    margins = dataset["margin"] if "margin" in columns else [0.0] * len(dataset)
-    data, dropped = {"prompt": [], "chosen": [], "rejected": [], "margin": []}, {"empty completion": 0, "prompt too long": 0, "completion too long": 0}
-    for prompt, chosen, rejected, margin in zip(prompts, dataset["chosen"], dataset["rejected"], margins):
-        if prompt is None:  # implicit prompt (e.g. trl-lib/ultrafeedback_binarized)
-            if isinstance(chosen, str) or chosen[:-1] != rejected[:-1]:
-                raise ValueError(f"dataset {args.dataset_name!r} has no 'prompt' column and its chosen/rejected are not "
-                                 "two conversations that differ only in their last message")
-            prompt, chosen, rejected = chosen[:-1], chosen[-1:], rejected[-1:]
-        if any(not c if isinstance(c, str) else not c or not c[-1]["content"] for c in (chosen, rejected)):
-            dropped["empty completion"] += 1
-            continue
-        prompt_ids, chosen_ids = tokenize_prompt_completion(tokenizer, prompt, chosen)
-        _, rejected_ids = tokenize_prompt_completion(tokenizer, prompt, rejected)
-        if len(prompt_ids) > args.max_prompt_length:
-            dropped["prompt too long"] += 1
-        elif max(len(chosen_ids), len(rejected_ids)) > args.max_completion_length:
-            dropped["completion too long"] += 1
-        else:
-            for key, value in zip(data, (prompt_ids, chosen_ids, rejected_ids, float(margin))):
-                data[key].append(value)
-    return data, dropped
-
-
-def disable_dropout(model):
-    """Dropout off: every dropout layer, and the attention dropout that HF models read from an attribute."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# DPO helpers
-# ---------------------------------------------------------------------------------------------------------------
-def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_lengths, args):
-    """Per-pair loss and the implicit rewards beta * log(pi / pi_ref) of both completions. With h = the chosen
-    log-ratio minus the rejected one: sigmoid -log sigmoid(beta h) (Eq. 7 of arXiv:2305.18290), mixed with
-    -log sigmoid(-beta h) by label_smoothing (conservative DPO: labels flipped with that probability);
-    ipo (h - 1 / (2 beta))^2 (Eq. 17 of arXiv:2310.12036); hinge max(0, 1 - beta h) (SLiC). Plus rpo_alpha x the
-    chosen completion's negative log-likelihood per token (RPO, Eq. 3 of arXiv:2404.19733): DPO alone can lower the
-    likelihood of the chosen answer too when the two completions differ by a token or two."""
-    beta, eps = args.beta, args.label_smoothing
-    chosen_ratio, rejected_ratio = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
-    h = chosen_ratio - rejected_ratio
-    if args.loss_type == "sigmoid":
-        losses = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
-    elif args.loss_type == "ipo":
-        losses = (h - 1 / (2 * beta)) ** 2
-    else:
-        losses = torch.relu(1 - beta * h)
-    return losses - args.rpo_alpha * chosen_logps / chosen_lengths, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
-
-
-def pair_logps(model, data, rows, pad_token_id):
-    """Summed log-probabilities of the chosen and of the rejected completion of `rows` (EOS included), in one
-    forward of 2 x len(rows) sequences; also the chosen completions' lengths and the tokens processed."""
-    prompts = [data["prompt"][i] for i in rows]
-    completions = [data["chosen"][i] for i in rows] + [data["rejected"][i] for i in rows]
-    input_ids, attention_mask, completion_mask = make_batch(prompts + prompts, completions, pad_token_id)
-    device = next(model.parameters()).device
-    input_ids, attention_mask, completion_mask = input_ids.to(device), attention_mask.to(device), completion_mask.to(device)
-    logps = (completion_logprobs(model, input_ids, attention_mask, completion_mask.shape[1]) * completion_mask).sum(1)
-    return logps[: len(rows)], logps[len(rows) :], completion_mask[: len(rows)].sum(1), attention_mask.sum()
-
-
-
-if __name__ == "__main__":
-    # 1. args, distributed init, derived batch sizes
-    args = tyro.cli(Args)
-    rank, world_size, device = init_distributed()
-    signal.signal(signal.SIGTERM, request_stop)  # preemption: checkpoint at the next optimizer step, then leave
-    signal.signal(signal.SIGINT, request_stop)
-    if args.resume_from == "auto":
-        args.resume_from = (complete_checkpoints(args.output_dir) or [None])[-1]  # None: nothing to continue, start at step 0
-    args.world_size = world_size
-    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    args.batch_size = args.local_batch_size * world_size
-    mb = args.per_device_train_batch_size
-    if args.label_smoothing > 0 and args.loss_type != "sigmoid":
-        raise ValueError(f"--label_smoothing applies to --loss_type sigmoid only (got {args.loss_type})")
-
-    # 2. logging (rank 0), seeding
-    # TRY NOT TO MODIFY: seeding. Each rank gets its own stream (dropout); the data order uses its own generator.
-    random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    os.makedirs(args.output_dir, exist_ok=True)
-
-    # 3. data: every rank tokenises the same rows, so each knows the whole global batch
-    tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"the tokenizer of {args.model_name_or_path} has no eos_token: completions could never end")
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train_dataset = load_split(args.dataset_name, args.dataset_train_split)
-    if train_dataset is None:
-        raise ValueError(f"dataset {args.dataset_name!r} has no split {args.dataset_train_split!r}")
-    train, dropped = tokenize_preference(train_dataset, tokenizer, args)
-    eval_dataset = load_split(args.dataset_name, args.dataset_test_split)
-    test = tokenize_preference(eval_dataset, tokenizer, args)[0] if eval_dataset else None
-    num_rows = len(train["prompt"])
+def finish(model, tokenizer, args, device, rank):
+    """Write the Hugging Face folder (a collective), print the peak memory of the busiest process (GPU allocations,
+    or the CPU resident set), close wandb and the process group."""
+    save_hf_model(model, tokenizer, args.output_dir, rank)
+    on_gpu = device.type == "cuda"
+    used = torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = torch.tensor(float(used), device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print(f"train: {num_rows} of {len(train_dataset)} pairs kept; dropped: {dropped}")
-        print(f"eval: {len(test['prompt'])} pairs" if test else f"no split {args.dataset_test_split!r}: eval skipped")
-    steps_per_epoch = num_rows // args.batch_size
-    if steps_per_epoch == 0:
-        raise ValueError(f"{num_rows} training pairs cannot fill one global batch of {args.batch_size}; dropped: {dropped}. Lower the batch sizes or the number of processes, use more data, or raise --max_prompt_length / --max_completion_length if the rows were dropped as too long")
-    args.num_training_steps = args.max_steps if args.max_steps > 0 else args.num_train_epochs * steps_per_epoch
-    if rank == 0:
-        print(f"{world_size} processes x {args.per_device_train_batch_size} per micro-batch x "
-              f"{args.gradient_accumulation_steps} accumulation = global batch {args.batch_size}; {steps_per_epoch} steps "
-              f"per epoch ({num_rows % args.batch_size} rows left out of each epoch, reshuffled every epoch)")
-
-    # 4. models + FSDP2: the policy, then the frozen reference (the same SFT model unless --ref_model_name_or_path)
-    model = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args, "--model_name_or_path")
-    disable_dropout(model)  # the implicit reward compares policy and reference log-probs: no noise in either
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = shard_model(model, args, device)
-    ref_model = load_pretrained(AutoModelForCausalLM, args.ref_model_name_or_path or args.model_name_or_path, args, "--ref_model_name_or_path")
-    disable_dropout(ref_model.requires_grad_(False).eval())
-    ref_model = shard_model(ref_model, args, device)
-
-    # 5. optimizer + lr schedule: the total is fixed now, and the scheduler steps once per optimizer step
-    optimizer = make_optimizer(model, args)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * args.num_training_steps),
-                              num_training_steps=args.num_training_steps)
-    start_step, loop_state = load_checkpoint(args.resume_from, model, optimizer, scheduler, args) if args.resume_from else (0, {"skipped": []})
-    skipped = loop_state["skipped"]  # steps whose update was skipped as non-finite (--skip_nonfinite)
-
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if rank == 0:
+        print(f"saved {args.output_dir}; peak {'GPU' if on_gpu else 'CPU RSS'} memory per process "
+              f"{peak.item() / 2**30:.2f} GiB")
         if args.track:
             import wandb
 
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name, save_code=True)
-        # a resumed run continues the same file: rows logged after the checkpoint are replaced
-        old_rows = [json.loads(line) for line in open(metrics_path)] if start_step > 0 and os.path.exists(metrics_path) else []
-        with open(metrics_path, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in old_rows if row["step"] <= start_step)
-
-    @torch.no_grad()
-    def reference_table(data):
-        """Summed reference log-probs of the chosen and rejected completions of every row of `data`, as a (rows, 2)
-        table: each rank computes its share and the sum gives every rank all of it. The rows are always grouped the
-        same way, so the table, and a run resumed from a checkpoint, are identical to the bit."""
-        table = torch.zeros(len(data["prompt"]), 2, device=device)
-        for rows, valid in rank_micro_batches(len(data["prompt"]), rank, world_size, args.per_device_eval_batch_size):
-            chosen, rejected, _, _ = pair_logps(ref_model, data, rows, pad_token_id)
-            table[rows] += valid * torch.stack([chosen, rejected], 1)
-        dist.all_reduce(table)
-        return table
-
-    # the reference log-probs, once, before training; then the reference model is freed
-    if args.precompute_ref_logps:
-        tables = {"train": reference_table(train), "test": reference_table(test) if test else None}
-        del ref_model
-        if rank == 0:
-            print(f"reference log-probs computed for {num_rows} training pairs and {len(test['prompt']) if test else 0} test pairs")
-
-    def reference_logps(split, data, rows):
-        if args.precompute_ref_logps:
-            return tables[split][rows].unbind(1)
-        with torch.no_grad():
-            return pair_logps(ref_model, data, rows, pad_token_id)[:2]
-
-    @torch.no_grad()
-    def evaluate():
-        """Mean loss and accuracy of the implicit reward (chosen above rejected) over the test pairs, each rank scoring its share."""
-        model.eval()
-        totals = torch.zeros(2, device=device)
-        for rows, valid in rank_micro_batches(len(test["prompt"]), rank, world_size, args.per_device_eval_batch_size):
-            chosen, rejected, lengths, _ = pair_logps(model, test, rows, pad_token_id)
-            loss, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, *reference_logps("test", test, rows), lengths, args)
-            totals += valid * torch.stack([loss.sum(), (chosen_rewards > rejected_rewards).sum()])
-        dist.all_reduce(totals)
-        model.train()
-        return {"eval/loss": totals[0].item() / len(test["prompt"]), "eval/accuracy": totals[1].item() / len(test["prompt"])}
-
-    # 6. training loop
-    model.train()
-    progress = tqdm(total=args.num_training_steps, initial=start_step, disable=rank != 0, desc="dpo")
-    stop = False
-    window_start, window_tokens = time.time(), torch.zeros((), device=device)
-    for step in range(start_step, args.num_training_steps):
-        batch = global_batch(step, num_rows, args.batch_size, args.seed)
-
-        loss_sum, stats = torch.zeros((), device=device), torch.zeros(6, device=device)
-        for micro_step in range(args.gradient_accumulation_steps):
-            start = (micro_step * world_size + rank) * mb
-            micro = batch[start : start + mb]
-            chosen, rejected, lengths, tokens = pair_logps(model, train, micro, pad_token_id)
-            losses, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, *reference_logps("train", train, micro), lengths, args)
-            # ALGO LOGIC: the mean over the global batch of pairs, whatever the split (each part divided by its size)
-            loss = losses.sum() / args.batch_size
-            loss.backward()
-            loss_sum += loss.detach()
-            stats += torch.stack([chosen_rewards.sum(), rejected_rewards.sum(), (chosen_rewards > rejected_rewards).sum(),
-                                  (chosen_rewards - rejected_rewards).sum(), chosen.detach().sum(), rejected.detach().sum()]) / args.batch_size
-            window_tokens += tokens
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
-        update, stop = guard_step(loss_sum, grad_norm, step + 1, args, skipped)
-        if update:
-            optimizer.step()
-        lr = scheduler.get_last_lr()[0]  # the learning rate this step used
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        progress.update(1)
-
-        done = step + 1
-        eval_now = done == args.num_training_steps or (args.eval_every > 0 and done % args.eval_every == 0)
-        if done % args.log_every == 0 or done == args.num_training_steps or eval_now:
-            dist.all_reduce(loss_sum)  # each rank holds its share of the global mean: sum them
-            dist.all_reduce(stats)
-            dist.all_reduce(window_tokens)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            metrics = {"step": done, "episode": done * args.batch_size, "lr": lr, "loss": loss_sum.item(), "grad_norm": grad_norm.item(),
-                       "tokens_per_second": window_tokens.item() / (time.time() - window_start)}
-            metrics.update(zip(["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"], stats.tolist()))
-            if eval_now and test and test["prompt"]:
-                metrics.update(evaluate())
-            if rank == 0:
-                progress.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(metrics) + "\n")
-                if args.track:
-                    wandb.log(metrics, step=done)
-            window_start, window_tokens = time.time(), torch.zeros((), device=device)
-        if (args.save_every > 0 and done % args.save_every == 0) or stop:
-            checkpoint = save_checkpoint(model, optimizer, scheduler, done, args, {"skipped": skipped})
-        if stop:
-            break
-    progress.close()
-    if stop:
-        leave_after_signal(checkpoint, rank)
-
-    # 7. save + cleanup
-    save_hf_model(model, tokenizer, args.output_dir, rank)
-    on_gpu = device.type == "cuda"  # peak memory of the busiest process: GPU allocations, or CPU resident set size
-    peak = torch.tensor(torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        print(f"saved {args.output_dir}; peak {'GPU' if on_gpu else 'CPU RSS'} memory per process {peak.item() / 2**30:.2f} GiB")
-        if args.track:
             wandb.finish()
     dist.barrier()  # no rank tears gloo/nccl down while another still communicates (gloo can abort at exit otherwise)
     dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

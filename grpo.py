@@ -7,15 +7,18 @@ Dr. GRPO (arXiv:2503.20783: --scale_rewards none, --loss_type constant). What di
 sequences, is --loss_type sequence; (2) outcome rewards only (one reward per completion); (3) a group whose rewards are
 all equal gets exactly 0 advantage; (4) rollouts depend on the seed, the rollout and the generation chunk, not on the
 number of processes, so a run is reproducible on another number of GPUs and resumes bit for bit.
-Run:  torchrun --nproc_per_node 2 grpo.py --model_name_or_path runs/sft --dataset_name toy/prompts --output_dir runs/grpo \
-          --reward_fn exact_match --learning_rate 3e-5 --max_steps 100 --gradient_accumulation_steps 4 --max_completion_length 12
-      torchrun --nproc_per_node 8 grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name gsm8k_prompts.jsonl \
-          --reward_fn gsm8k --max_completion_length 512 --track
+Read `main` first; the functions below the Infrastructure line are the same in every script and can be skipped.
+Run:  torchrun --nproc_per_node 2 grpo.py --model_name_or_path runs/sft --dataset_name toy/prompts \
+          --output_dir runs/grpo --reward_fn exact_match --learning_rate 3e-5 --max_steps 100 \
+          --gradient_accumulation_steps 4 --max_completion_length 12
+      torchrun --nproc_per_node 8 grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
+          --dataset_name gsm8k_prompts.jsonl --reward_fn gsm8k --max_completion_length 512 --track
 """
 
 import collections
 import contextlib
 import decimal
+import functools
 import json
 import math
 import os
@@ -36,11 +39,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import tyro
 from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig, get_scheduler
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig,
+                          get_scheduler)
 
 from adam_tf import AdamTF
 
@@ -109,8 +114,8 @@ class Args:
     save_every: int = -1
     """write a resumable checkpoint every this many optimizer steps (-1: never)"""
     resume_from: Optional[str] = None
-    """a checkpoint folder (output_dir/checkpoints/step_N) to continue the same run from; auto: the latest complete one in
-    output_dir, if any (the same command then starts a run and continues it after a preemption)"""
+    """a checkpoint folder (output_dir/checkpoints/step_N) to continue the same run from; auto: the latest complete one
+    in output_dir, if any (the same command then starts a run and continues it after a preemption)"""
     keep_last: int = -1
     """keep only the newest N checkpoints (-1: all)"""
     skip_nonfinite: int = 0
@@ -127,7 +132,8 @@ class Args:
     world_size: Optional[int] = None
     """number of processes (computed)"""
     local_batch_size: Optional[int] = None
-    """completions per process per optimizer step = per_device_train_batch_size x gradient_accumulation_steps (computed)"""
+    """completions per process per optimizer step = per_device_train_batch_size x gradient_accumulation_steps
+    (computed)"""
     batch_size: Optional[int] = None
     """global mini-batch: completions per optimizer step = local_batch_size x world_size (computed)"""
     rollout_batch_size: Optional[int] = None
@@ -180,439 +186,8 @@ class Args:
     """the per-token KL estimate in the loss (see kl_estimate); objective/kl is always logged with k3"""
     loss_type: Literal["token", "sequence", "constant"] = "token"
     """what the summed per-token loss is divided by: token: the mini-batch's completion tokens (DAPO); sequence: each
-    completion's length, then the number of completions (the paper); constant: completions x max_completion_length (Dr. GRPO)"""
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Shared helpers: pasted verbatim in every script that needs them (tests/test_consistency.py keeps them identical)
-# ---------------------------------------------------------------------------------------------------------------
-def init_distributed():
-    """torchrun sets RANK and WORLD_SIZE; plain `python script.py` is world size 1 on the same code path."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" in os.environ:
-        dist.init_process_group(backend)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def load_split(name, split):
-    """A split of a hub dataset, a local dataset folder, or a local file (a single file is the train split).
-    Returns None when there is no such split."""
-    if os.path.isfile(name):
-        builders = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}
-        extension = name.rsplit(".", 1)[-1]
-        if extension not in builders:
-            raise ValueError(f"dataset file {name!r}: unknown format .{extension}; give a .json, .jsonl, .parquet or .csv file, a folder of them, or a hub id")
-        return datasets.load_dataset(builders[extension], data_files=name, split="train") if split == "train" else None
-    if os.path.isfile(os.path.join(name, "dataset_dict.json")):  # a DatasetDict written by save_to_disk
-        dataset_dict = datasets.load_from_disk(name)
-        return dataset_dict[split] if split in dataset_dict else None
-    try:
-        return datasets.load_dataset(name, split=split)
-    except ValueError as e:
-        if "Unknown split" in str(e):
-            return None
-        raise
-    except FileNotFoundError as e:
-        raise ValueError(f"dataset {name!r} is neither a local file or folder of data files nor a dataset on the hub: {e}") from e
-
-
-def load_pretrained(auto_class, path, args, flag):
-    """auto_class.from_pretrained(path), stopping with a message that names the flag when `path` is not such a model or
-    tokenizer, or when the model lacks weights (a causal LM given as a reward model would get a random score head: HF only
-    warns). Code from the hub runs only with --trust_remote_code."""
-    model_kwargs = {} if auto_class is AutoTokenizer else {"dtype": torch.float32, "output_loading_info": True}
-    try:
-        loaded = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **model_kwargs)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{flag} {path!r} does not load with {auto_class.__name__}: {e}") from e
-    if auto_class is AutoTokenizer:
-        return loaded
-    model, info = loaded
-    if info["missing_keys"]:
-        raise ValueError(f"{flag} {path!r} has no weights for {sorted(info['missing_keys'])} as {type(model).__name__}: "
-                         "give a model of that kind (a reward model: the output folder of reward.py)")
-    return model
-
-
-def global_batch(step, num_rows, batch_size, seed):
-    """Row indices of global batch number `step` (of an optimizer step; of a rollout in RL scripts): the same on every
-    rank and a function of the step alone, so a resumed run sees the same data. Reshuffled every epoch; each epoch
-    leaves its remainder rows out."""
-    epoch, position = divmod(step, num_rows // batch_size)
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-    return order[position * batch_size : (position + 1) * batch_size].tolist()
-
-
-def rank_micro_batches(num_rows, rank, world_size, size):
-    """This rank's share of rows 0..num_rows-1 in micro-batches of `size`, as many on every rank because each forward
-    of an FSDP model is a collective: a rank that has run out gets row 0 with valid=False, to be ignored."""
-    share = list(range(rank, num_rows, world_size))
-    for start in range(0, math.ceil(num_rows / world_size), size):
-        rows = share[start : start + size]
-        yield (rows, True) if rows else ([0], False)
-
-
-
-
-def pad(sequences, value, side):
-    """Pad lists of ints to one width, on the left or the right; returns a LongTensor."""
-    width = max(len(s) for s in sequences)
-    fill = [[value] * (width - len(s)) for s in sequences]
-    return torch.tensor([f + s if side == "left" else s + f for s, f in zip(sequences, fill)], dtype=torch.long)
-
-
-def make_batch(prompts, completions, pad_token_id):
-    """[left-padded prompts | right-padded completions]. Masks come from lengths, never from pad_token_id, so the
-    completion's EOS stays in the loss when pad == eos. Returns input_ids, attention_mask, completion_mask."""
-    ones = [[1] * len(s) for s in prompts], [[1] * len(s) for s in completions]
-    input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
-    completion_mask = pad(ones[1], 0, "right")
-    return input_ids, torch.cat([pad(ones[0], 0, "left"), completion_mask], 1), completion_mask
-
-
-def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
-    """Log-probabilities of the last `completion_width` tokens, from logits / temperature; with_entropy: also the
-    entropy of each of those next-token distributions (detached: a statistic, not a loss term)."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                   logits_to_keep=completion_width + 1).logits[:, :-1]  # logits at t predict token t + 1
-    logits = logits.float() / temperature
-    labels = input_ids[:, -completion_width:]
-    # log_softmax at the label without materialising it over the vocabulary: logit - logsumexp
-    logsumexp = logits.logsumexp(-1)
-    logprobs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logsumexp
-    if not with_entropy:
-        return logprobs
-    with torch.no_grad():  # H = logsumexp - sum(p * logits)
-        return logprobs, logsumexp - (logits.softmax(-1) * logits).sum(-1)
-
-
-def shard_model(model, args, device):
-    """FSDP2: each decoder layer, then the root (embeddings, final norm, head). Gradients are summed over ranks,
-    not averaged: every loss here is already divided by a count taken over the whole global batch."""
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    bf16 = args.bf16 and device.type == "cuda"
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
-    layer_classes = set(model._no_split_modules or [])  # HF's name for the decoder layer classes
-    for module in model.modules():
-        if type(module).__name__ in layer_classes:
-            fully_shard(module, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy, reshard_after_forward=args.reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)  # the root keeps its own: it runs first in the backward
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
-    return model
-
-
-def make_optimizer(model, args):
-    if args.optimizer == "adam_tf":
-        return AdamTF(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
-    return torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon, weight_decay=args.weight_decay,
-                             fused=True)  # one kernel over all parameters (foreach over DTensors: 2-3x the time on CPU)
-
-
-STOP_SIGNALS = []  # signals received: request_stop appends, guard_step reads
-
-
-def request_stop(signum, frame):
-    """SIGTERM (preemption: torchrun forwards it to every process) or SIGINT (Ctrl-C) only raise a flag; the loop sees it
-    at the next optimizer step, saves a checkpoint and leaves. A second Ctrl-C stops at once."""
-    if signum == signal.SIGINT and STOP_SIGNALS:
-        raise KeyboardInterrupt
-    STOP_SIGNALS.append(signum)
-
-
-def guard_step(loss, grad_norm, step, args, skipped):
-    """Before optimizer.step(), one all-reduce: is this step's loss (this rank's part) or gradient norm NaN or inf
-    anywhere, and has any rank been asked to stop? Every rank gets the same answer and takes the same branch. A non-finite
-    step is not applied, up to --skip_nonfinite times (`skipped` lists them); past that the run stops with a message
-    naming the step, the metric and the last complete checkpoint. Returns (apply the update, stop now)."""
-    norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    flags = torch.stack([(~torch.isfinite(loss)).float(), (~torch.isfinite(norm)).float(), torch.tensor(float(bool(STOP_SIGNALS)), device=norm.device)])
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    bad_loss, bad_norm, stop = flags.tolist()
-    if not bad_loss and not bad_norm:
-        return True, stop > 0
-    what = " and ".join(name for name, bad in [("loss", bad_loss), ("grad_norm", bad_norm)] if bad)
-    skipped.append(step)
-    if len(skipped) <= args.skip_nonfinite:
-        if dist.get_rank() == 0:
-            print(f"step {step}: non-finite {what}: update skipped ({len(skipped)} of --skip_nonfinite {args.skip_nonfinite})")
-        return False, stop > 0
-    raise FloatingPointError(
-        f"step {step}: non-finite {what} (grad_norm {norm.item()}); the model was not updated with it. Last complete "
-        f"checkpoint: {(complete_checkpoints(args.output_dir) or ['none (see --save_every)'])[-1]}. Resume from it with a lower "
-        "--learning_rate or --max_grad_norm, check this step's data, or pass --skip_nonfinite N to skip up to N such steps")
-
-
-def leave_after_signal(checkpoint, rank):
-    """After the checkpoint a SIGTERM/SIGINT asked for: say how to continue, close the process group and exit with
-    128 + the signal, so that a job scheduler sees an interrupted run, not a finished one."""
-    signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # the signal may have reached another rank only
-    if rank == 0:
-        print(f"stopped by {signal.Signals(signum).name}: checkpoint {checkpoint}; the same command with --resume_from auto continues the run")
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.exit(128 + signum)
-
-
-def complete_checkpoint(path):
-    """The manifest (checkpoint.json) of a complete checkpoint folder, else None: the folder is named after its step,
-    and every file the manifest lists is there at its size (a folder still being written, truncated or copied in part
-    fails this)."""
-    try:
-        manifest = json.load(open(os.path.join(path, "checkpoint.json")))
-        sizes = all(os.path.getsize(os.path.join(path, name)) == size for name, size in manifest["files"].items())
-        return manifest if sizes and os.path.basename(os.path.normpath(path)) == f"step_{manifest['step']}" else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def complete_checkpoints(output_dir):
-    """The complete checkpoints of output_dir/checkpoints, oldest step first (--resume_from auto takes the last)."""
-    root = os.path.join(output_dir, "checkpoints")
-    found = [(manifest["step"], os.path.join(root, name)) for name in (os.listdir(root) if os.path.isdir(root) else [])
-             if (manifest := complete_checkpoint(os.path.join(root, name)))]
-    return [path for _, path in sorted(found)]
-
-
-def save_checkpoint(model, optimizer, scheduler, step, args, state):
-    """output_dir/checkpoints/step_N: model and optimizer tensors (torch.distributed.checkpoint, sharded), and per rank
-    the scheduler, the RNG states and `state` (the loop's own: skipped steps, the KL controller) in a weights_only file.
-    Written as step_N.tmp; when every rank is done, rank 0 lists each file with its size in checkpoint.json (with the
-    arguments) and renames the folder, so a crash while saving leaves the previous checkpoint the latest complete one.
-    --keep_last N then removes the older ones. Returns the folder."""
-    rank = dist.get_rank()
-    path = os.path.join(args.output_dir, "checkpoints", f"step_{step}")
-    if rank == 0:
-        shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # left by a crash
-    dist.barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=f"{path}.tmp")
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state}, f"{path}.tmp/rank{rank}.pt")
-    dist.barrier()
-    if rank == 0:
-        files = {name: os.path.getsize(os.path.join(f"{path}.tmp", name)) for name in os.listdir(f"{path}.tmp")}
-        with open(f"{path}.tmp/checkpoint.json", "w") as f:
-            json.dump({"step": step, "args": vars(args), "files": files}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        shutil.rmtree(path, ignore_errors=True)  # a run restarted into the same output_dir overwrites its old step
-        os.replace(f"{path}.tmp", path)
-        for old in complete_checkpoints(args.output_dir)[: -args.keep_last] if args.keep_last > 0 else []:
-            shutil.rmtree(old)
-    dist.barrier()
-    return path
-
-
-# arguments that may change when a run resumes: where it logs, how often, and how the same global batch is split
-RESUMABLE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "resume_from", "log_every", "eval_every", "save_every",
-             "keep_last", "skip_nonfinite", "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size",
-             "local_rollout_forward_batch_size", "cache_implementation", "gradient_checkpointing", "cpu_offload", "reshard_after_forward", "world_size", "local_batch_size"}
-
-
-class CheckpointReader(dcp.FileSystemReader):
-    """DCP's file reader, with its .metadata (a pickle) read through an allow-list: DCP's metadata classes, torch sizes,
-    dtypes and layouts, paths. Loading a checkpoint cannot run code planted in it; the tensors are raw bytes, and
-    save_checkpoint writes no pickled objects (the rest is in json and weights_only files)."""
-
-    def read_metadata(self, *args, **kwargs):
-        def allowed(module, name):
-            return (module == "torch.distributed.checkpoint.metadata" or (module, name) in {
-                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-                ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "Path")}
-                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
-
-        class Unpickler(pickle.Unpickler):
-            def find_class(self, module, name):
-                if not allowed(module, name):
-                    raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}: not a DCP metadata class")
-                return super().find_class(module, name)
-
-        with open(os.path.join(self.path, ".metadata"), "rb") as f:
-            metadata = Unpickler(f).load()
-        metadata.storage_meta = metadata.storage_meta or StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def load_checkpoint(path, model, optimizer, scheduler, args):
-    """Restore a checkpoint of save_checkpoint, after checking that it is complete and belongs to this run: every argument
-    outside RESUMABLE must match (model, data, seed, schedule, algorithm, the global batch). The number of processes may
-    change if the global batch stays the same (DCP reshards; the per-rank RNG streams then restart). Nothing is
-    unpickled. Returns the step and the loop's own state."""
-    manifest = complete_checkpoint(path)
-    if manifest is None:
-        raise ValueError(f"--resume_from {path!r} is not a complete checkpoint (a step_N folder whose checkpoint.json lists "
-                         f"files that are all there); --resume_from auto picks the latest complete one")
-    now = json.loads(json.dumps(vars(args)))
-    mismatched = [f"{name} {manifest['args'].get(name)!r} in the checkpoint, {value!r} now" for name, value in now.items()
-                  if name not in RESUMABLE and manifest["args"].get(name) != value]
-    if mismatched:
-        raise ValueError(f"checkpoint {path} does not match the arguments: {'; '.join(mismatched)}. Resume with the arguments "
-                         "it was written with (batch_size = processes x --per_device_train_batch_size x --gradient_accumulation_steps), "
-                         "or start a new run in another --output_dir")
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state["state"]}
-    dcp.load(state, storage_reader=CheckpointReader(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict={"state": state["optimizer"], "param_groups": optimizer_state["param_groups"]})
-    same_processes = manifest["args"]["world_size"] == args.world_size
-    extra = torch.load(os.path.join(path, f"rank{dist.get_rank() if same_processes else 0}.pt"), weights_only=True)
-    scheduler.load_state_dict(extra["scheduler"])
-    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-        group["lr"] = lr  # the learning rate of the next step (param_groups are not in the checkpoint)
-    if same_processes:
-        torch.set_rng_state(extra["rng"]["torch"])
-        random.setstate(extra["rng"]["python"])
-        if "cuda" in extra["rng"]:
-            torch.cuda.set_rng_state(extra["rng"]["cuda"])
-    elif dist.get_rank() == 0:
-        print(f"resuming on {args.world_size} processes a run of {manifest['args']['world_size']}: same weights, optimizer, "
-              "schedule and data order; the per-process random streams (dropout) restart")
-    return extra["step"], extra["state"]
-
-
-def save_hf_model(model, tokenizer, output_dir, rank):
-    """Gather the full weights on rank 0 (a collective: every rank calls this) and write a Hugging Face folder."""
-    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    first_name = {}  # tied parameters (input embeddings = head) come back as copies: keep the first name only
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if first_name.setdefault(id(param), name) != name:
-            state_dict.pop(name, None)
-    if rank == 0:
-        model.save_pretrained(output_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(output_dir)
-
-
-
-
-def disable_dropout(model):
-    """Dropout off: every dropout layer, and the attention dropout that HF models read from an attribute."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
-
-
-
-
-def last_token_index(attention_mask):
-    """Column of the last real token of each row, from the mask alone: right for left or right padding, and when
-    pad == eos (HF's sequence classification takes the last token != pad_token_id, which skips an EOS equal to pad)."""
-    return (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(1)
-
-
-def sequence_scores(model, input_ids, attention_mask):
-    """Reward-model score of each row at its last real token, plus the config's `score_bias` (reward.py
-    --normalize_reward; HF's decoder classification heads have no bias parameter to hold it). HF applies the head at
-    every position and pools by pad_token_id; a hook keeps the head's output for all positions and we index it."""
-    outputs = []
-    hook = model.score.register_forward_hook(lambda module, inputs, output: outputs.append(output))
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    hook.remove()
-    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    return outputs[0][rows, last_token_index(attention_mask), 0].float() + getattr(model.config, "score_bias", 0.0)
-
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# RL helpers (shared by ppo.py and grpo.py): prompts, and generation with the parameters gathered once per rollout
-# ---------------------------------------------------------------------------------------------------------------
-def tokenize_prompts(dataset, tokenizer, args, answer_column=None):
-    """Rows of `prompt` (a string, or a list of {"role", "content"} messages rendered with the chat template and its
-    generation prompt), plus an answer column for verifiers -> {"prompt": token ids, "answer": ...}. Empty and
-    over-long prompts are dropped and counted, never silently."""
-    columns = dataset.column_names
-    if "prompt" not in columns or (answer_column and answer_column not in columns):
-        raise ValueError(f"dataset {args.dataset_name!r} has columns {columns}, but needs a 'prompt' column (a string, or a "
-                         "list of {'role', 'content'} messages)" + (f" and an {answer_column!r} column for the verifier" if answer_column else ""))
-    answers = dataset[answer_column] if answer_column else [None] * len(dataset)
-    data, dropped = {"prompt": [], "answer": []}, {"empty prompt": 0, "prompt too long": 0}
-    for prompt, answer in zip(dataset["prompt"], answers):
-        if not prompt:
-            dropped["empty prompt"] += 1
-            continue
-        if isinstance(prompt, str):
-            ids = tokenizer(prompt)["input_ids"]
-        else:
-            ids = tokenizer(tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-        if len(ids) > args.max_prompt_length:
-            dropped["prompt too long"] += 1
-        else:
-            data["prompt"].append(ids)
-            data["answer"].append(answer)
-    return data, dropped
-
-
-@contextlib.contextmanager
-def unsharded(model, keep=False):
-    """Every FSDP2 parameter gathered once for the whole block: generation runs one forward per new token, and FSDP2
-    would otherwise all-gather every layer again for each one. No forward in the block is then a collective, so ranks
-    may generate different numbers of tokens. FSDP2's forward hooks are set aside meanwhile: with everything gathered
-    they have nothing to do, yet they ran at every module for every token (a third of a GRPO step on an H100,
-    bench/RESULTS.md) and would split a compiled graph. keep (--no-reshard_after_forward): still gathered after the
-    block, so the next forward needs no all-gather; the backward frees them."""
-    fsdp_modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    hooks = [(module._forward_pre_hooks, module._forward_hooks) for module in fsdp_modules]
-    for module in fsdp_modules:
-        module.unshard()
-        module.set_reshard_after_forward(False, recurse=False)
-        module._forward_pre_hooks, module._forward_hooks = collections.OrderedDict(), collections.OrderedDict()
-    try:
-        yield
-    finally:
-        for module, (pre_hooks, post_hooks) in zip(fsdp_modules, hooks):
-            module._forward_pre_hooks, module._forward_hooks = pre_hooks, post_hooks
-            if not keep:
-                module.set_reshard_after_forward(module is not model, recurse=False)  # as shard_model left it
-                module.reshard()
-
-
-@torch.no_grad()
-def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_id, pad_token_id, cache="dynamic"):
-    """One completion per prompt (lists of token ids) with HF generate: sampled from softmax(logits / temperature), or
-    greedy if temperature is None. Each completion is cut after its first EOS; one without EOS is truncated. cache:
-    --cache_implementation; static pads the prompts to a multiple of 64 tokens, so that widths share a compiled step."""
-    device = next(model.parameters()).device
-    input_ids, attention_mask = pad(prompts, pad_token_id, "left").to(device), pad([[1] * len(p) for p in prompts], 0, "left").to(device)
-    if cache == "static":
-        extra = -input_ids.shape[1] % 64
-        input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad_token_id)
-        attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0), value=0)
-    # Sample from exactly the distribution the log-probs are computed from: generate fills every option left unset
-    # from the model folder's generation_config (Qwen's sets top_k 20, top_p 0.8, repetition_penalty 1.05), and its
-    # global default top_k is 50, so swap in a blank config and turn top_k off.
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature is not None else {"do_sample": False}
-    config = GenerationConfig(**sampling, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                              cache_implementation=None if cache == "dynamic" else cache)
-    folder_config, model.generation_config, was_training = model.generation_config, GenerationConfig(), model.training
-    model.eval()  # gradient checkpointing acts in training mode only, and there it turns the KV cache off
-    try:  # position ids: generate derives them from the attention mask itself. synced_gpus: HF would all-reduce a
-        # "finished" flag after every token of an FSDP model; with the parameters gathered, ranks need not keep step
-        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config, synced_gpus=False)
-    finally:
-        model.generation_config = folder_config
-        model.train(was_training)
-    rows = output[:, input_ids.shape[1] :].tolist()
-    return [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# GRPO helpers: rewards from verifiers, advantages, KL estimators, the loss
-# ---------------------------------------------------------------------------------------------------------------
+    completion's length, then the number of completions (the paper); constant: completions x max_completion_length
+    (Dr. GRPO)"""
 NUMBER = r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?"  # 1,234.5 or 1234.5, with an optional minus sign
 
 
@@ -672,7 +247,8 @@ def kl_estimate(logps, ref_logps, old_logps, kl_estimator):
 def loss_normaliser(completion_mask, args):
     """What the summed loss of a global mini-batch is divided by, counted over all of it (every process and
     accumulation step), so that how it is split does not change the update. token: its completion tokens (Eq. 12 of
-    arXiv:2503.14476); sequence: its completions with a token in the loss; constant: completions x max_completion_length."""
+    arXiv:2503.14476); sequence: its completions with a token in the loss; constant: completions x
+    max_completion_length."""
     if args.loss_type == "token":
         return completion_mask.sum().clamp(min=1)
     if args.loss_type == "sequence":
@@ -688,279 +264,891 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, args):
     ratio = torch.exp(logps - old_logps)
     clipped = ratio.clamp(1 - args.epsilon, 1 + args.epsilon_high)
     policy_loss = -torch.min(ratio * advantages[:, None], clipped * advantages[:, None])
-    per_token = policy_loss + args.beta * kl_estimate(logps, ref_logps, old_logps, args.kl_estimator) if args.beta > 0 else policy_loss
+    per_token = policy_loss
+    if args.beta > 0:
+        per_token = per_token + args.beta * kl_estimate(logps, ref_logps, old_logps, args.kl_estimator)
     if args.loss_type == "sequence":
         return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / normaliser, ratio, policy_loss
     return (per_token * mask).sum() / normaliser, ratio, policy_loss
 
 
+def rewards_of(prompts, completions, answers, reward_model, tokenizer, pad_token_id, args, device):
+    """reward_fn_weight x verifier + reward_model_weight x reward model score, minus missing_eos_penalty for a
+    completion without EOS. With a reward model this is a collective: every rank calls it as often."""
+    rewards = torch.zeros(len(completions), device=device)
+    if args.reward_fn:
+        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+        verified = [verifier_reward(t, a, args.reward_fn) for t, a in zip(texts, answers)]
+        rewards += args.reward_fn_weight * torch.tensor(verified, device=device)
+    if reward_model is not None:
+        input_ids, attention_mask, _ = [t.to(device) for t in make_batch(prompts, completions, pad_token_id)]
+        rewards += args.reward_model_weight * sequence_scores(reward_model, input_ids, attention_mask)
+    ended = torch.tensor([c[-1] == tokenizer.eos_token_id for c in completions], device=device)
+    return rewards - args.missing_eos_penalty * (~ended).float()
 
-if __name__ == "__main__":
-    # 1. args, distributed init, derived batch sizes
-    args = tyro.cli(Args)
-    rank, world_size, device = init_distributed()
-    signal.signal(signal.SIGTERM, request_stop)  # preemption: checkpoint at the end of the rollout's updates, then leave
-    signal.signal(signal.SIGINT, request_stop)
-    if args.resume_from == "auto":
-        args.resume_from = (complete_checkpoints(args.output_dir) or [None])[-1]  # None: nothing to continue, start at step 0
-    args.world_size = world_size
-    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    args.batch_size = args.local_batch_size * world_size
+
+@torch.no_grad()
+def evaluate(model, reward_model, test, tokenizer, pad_token_id, args, rank):
+    """Mean reward of greedy completions of the test prompts, each rank its share (with the exact-match verifier
+    alone: the exact-match accuracy)."""
+    device = next(model.parameters()).device
+    total = torch.zeros((), device=device)
+    with unsharded(model, keep=not args.reshard_after_forward):
+        for rows, valid in rank_micro_batches(len(test["prompt"]), rank, args.world_size,
+                                              args.per_device_eval_batch_size):
+            prompts, answers = [test["prompt"][i] for i in rows], [test["answer"][i] for i in rows]
+            completions = generate_completions(model, prompts, args.max_completion_length, None,
+                                               tokenizer.eos_token_id, pad_token_id, args.cache_implementation)
+            rewards = rewards_of(prompts, completions, answers, reward_model, tokenizer, pad_token_id, args, device)
+            total += valid * rewards.sum()
+    dist.all_reduce(total)
+    return {"eval/scores": total.item() / len(test["prompt"])}
+
+
+@torch.no_grad()
+def score_rollout(model, ref_model, reward_model, rollout, tokenizer, pad_token_id, args, rank):
+    """The rewards of a rollout's completions, and the reference and old log-probs of their tokens (old: only for
+    num_iterations > 1; with one iteration the old policy is the current one, detached): each rank its share in
+    micro-batches of local_rollout_forward_batch_size, summed over ranks."""
+    prompts, completions = rollout["prompts"], rollout["completions"]
+    n, width = len(prompts), args.max_completion_length
+    device = next(model.parameters()).device
+    rewards = torch.zeros(n, device=device)
+    ref_logps = torch.zeros(n, width, device=device) if ref_model is not None else None
+    old_logps = torch.zeros(n, width, device=device) if args.num_iterations > 1 else None
+    for rows, valid in rank_micro_batches(n, rank, args.world_size, args.local_rollout_forward_batch_size):
+        batch = [[column[i] for i in rows] for column in (prompts, completions, rollout["answers"])]
+        rewards[rows] += valid * rewards_of(*batch, reward_model, tokenizer, pad_token_id, args, device)
+        input_ids, attention_mask, completion_mask = batch_on(device, prompts, completions, rows, pad_token_id)
+        cols = completion_mask.shape[1]
+        for table, net in ((ref_logps, ref_model), (old_logps, model)):
+            if table is not None:
+                logps = completion_logprobs(net, input_ids, attention_mask, cols, args.temperature)
+                table[rows, :cols] += valid * logps
+    for table in (rewards, ref_logps, old_logps):
+        if table is not None:
+            dist.all_reduce(table)
+    return rewards, ref_logps, old_logps
+
+
+def accumulate_gradients(model, rollout, mini, normaliser, args, rank, sums, pad_token_id):
+    """The gradients of one optimizer step: this rank's micro-batches of the global mini-batch `mini`, each loss
+    divided by the normaliser of the whole mini-batch, so the split does not change the update. The statistics (sums
+    over the tokens in the loss; kl per completion) go into `sums`. Returns this rank's part of the step's loss."""
+    device = next(model.parameters()).device
+    step_loss = torch.zeros((), device=device)
+    for micro in micro_batches(mini, args, rank):
+        input_ids, attention_mask, completion_mask = batch_on(device, rollout["prompts"], rollout["completions"], micro,
+                                                              pad_token_id)
+        width = completion_mask.shape[1]
+        mask = rollout["loss_mask"][micro, :width]
+        logps, entropy = completion_logprobs(model, input_ids, attention_mask, width, args.temperature,
+                                             with_entropy=True)
+        old = rollout["old_logps"][micro, :width] if rollout["old_logps"] is not None else logps.detach()
+        ref = rollout["ref_logps"][micro, :width] if rollout["ref_logps"] is not None else None
+        advantages = rollout["advantages"][micro]
+        loss, ratio, policy_loss = grpo_loss(logps, old, ref, advantages, mask, normaliser, args)
+        loss.backward()
+        step_loss += loss.detach()
+        with torch.no_grad():
+            A = advantages[:, None]
+            kl = kl_estimate(logps, ref, old, "k3") if ref is not None else torch.zeros_like(logps)
+            token_stats = {"policy_loss": policy_loss, "approxkl": 0.5 * (logps - old) ** 2, "entropy": entropy,
+                           "clip_low": (ratio < 1 - args.epsilon) & (A < 0), "ratio": ratio, "ratio_sq": ratio**2,
+                           "clip_high": (ratio > 1 + args.epsilon_high) & (A > 0), "kl": kl}
+            for name, values in token_stats.items():
+                sums[name] += (values * mask).sum()
+            sums["loss"] += loss.detach()
+            sums["tokens"] += mask.sum()
+            sums["sequences"] += len(micro)
+            sums["processed"] += attention_mask.sum()
+    return step_loss
+
+
+def main(args):
+    # 1. distributed init, computed batch sizes, argument checks
+    rank, world_size, device = setup(args)
     args.rollout_batch_size = args.batch_size * args.num_mini_batches
     args.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    mb, G = args.per_device_train_batch_size, args.num_generations
+    G = args.num_generations
     if G < 2 or args.rollout_batch_size % G:
-        raise ValueError(f"a rollout of batch_size x num_mini_batches = {args.rollout_batch_size} completions must hold whole "
-                         f"groups of num_generations >= 2 completions (got {G})")
+        raise ValueError(f"a rollout of batch_size x num_mini_batches = {args.rollout_batch_size} completions must "
+                         f"hold whole groups of num_generations >= 2 completions (got {G})")
     args.num_prompts_per_rollout = args.rollout_batch_size // G
-    steps_per_rollout = args.num_iterations * args.num_mini_batches
-    if args.save_every > 0 and args.save_every % steps_per_rollout:
-        raise ValueError(f"--save_every must be a multiple of num_iterations x num_mini_batches = {steps_per_rollout}: "
-                         "checkpoints are taken between rollouts")
     if args.reward_fn is None and args.reward_model_path is None:
         raise ValueError("no reward: set --reward_fn, --reward_model_path, or both")
 
-    # 2. logging (rank 0), seeding
-    # TRY NOT TO MODIFY: seeding. Generation reseeds per chunk; the data order and mini-batches use their own generators.
-    random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    os.makedirs(args.output_dir, exist_ok=True)
-
-    # 3. data: every rank tokenises the same prompts, so each knows the whole rollout
-    tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"the tokenizer of {args.model_name_or_path} has no eos_token: completions could never end")
-    eos_token_id = tokenizer.eos_token_id
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_id
-    answer_column = args.answer_column if args.reward_fn else None
-    train_dataset = load_split(args.dataset_name, args.dataset_train_split)
-    if train_dataset is None:
-        raise ValueError(f"dataset {args.dataset_name!r} has no split {args.dataset_train_split!r}")
-    train, dropped = tokenize_prompts(train_dataset, tokenizer, args, answer_column)
-    eval_dataset = load_split(args.dataset_name, args.dataset_test_split)
-    test = tokenize_prompts(eval_dataset, tokenizer, args, answer_column)[0] if eval_dataset else None
+    # 2. data: every rank tokenises the same prompts, so each knows the whole rollout
+    tokenizer, pad_token_id = load_tokenizer(args)
+    tokenize = functools.partial(tokenize_prompts, answer_column=args.answer_column if args.reward_fn else None)
+    train, test, dropped = load_data(args, tokenizer, tokenize, rank)
     num_prompts = len(train["prompt"])
-    if rank == 0:
-        print(f"train: {num_prompts} of {len(train_dataset)} prompts kept; dropped: {dropped}")
-        print(f"eval: {len(test['prompt'])} prompts" if test else f"no split {args.dataset_test_split!r}: eval skipped")
-    rollouts_per_epoch = num_prompts // args.num_prompts_per_rollout
-    if rollouts_per_epoch == 0:
-        raise ValueError(f"{num_prompts} training prompts cannot fill one rollout of {args.num_prompts_per_rollout} prompts; dropped: {dropped}. Lower the batch sizes or the number of processes, use more data, or raise --max_prompt_length if the prompts were dropped as too long")
-    if args.max_steps > 0 and args.max_steps % steps_per_rollout:
-        raise ValueError(f"--max_steps must be a multiple of num_iterations x num_mini_batches = {steps_per_rollout} (optimizer steps per rollout)")
-    num_rollouts = args.max_steps // steps_per_rollout if args.max_steps > 0 else args.num_train_epochs * rollouts_per_epoch
-    args.num_training_steps = num_rollouts * steps_per_rollout
-    if rank == 0:
-        print(f"{num_rollouts} rollouts of {args.num_prompts_per_rollout} prompts x {G} generations = {args.rollout_batch_size} completions, "
-              f"each {args.num_iterations} iterations x {args.num_mini_batches} mini-batches of {args.batch_size} completions "
-              f"({world_size} processes x {mb} per micro-batch x {args.gradient_accumulation_steps} accumulation) = "
-              f"{args.num_training_steps} optimizer steps")
+    num_rollouts, steps_per_rollout = rollouts_of(num_prompts, G, "num_iterations", args, dropped, rank)
 
-    # 4. models + FSDP2: the policy, then the frozen reference (the same SFT model) and reward model
-    model = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args, "--model_name_or_path")
-    disable_dropout(model)  # log-probs of the same tokens must not change between the rollout and the update
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = shard_model(model, args, device)
+    # 3. models + FSDP2: the policy, then the frozen reference (the same SFT model) and reward model
+    model = load_trained(AutoModelForCausalLM, args.model_name_or_path, args, "--model_name_or_path", device)
     ref_model = reward_model = None
     if args.beta > 0:  # with beta 0 the KL term is gone, and so is the reference model
-        ref_model = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args, "--model_name_or_path")
-        disable_dropout(ref_model.requires_grad_(False).eval())
-        ref_model = shard_model(ref_model, args, device)
+        ref_model = load_frozen(AutoModelForCausalLM, args.model_name_or_path, args, "--model_name_or_path", device)
     if args.reward_model_path:
-        if load_pretrained(AutoTokenizer, args.reward_model_path, args, "--reward_model_path").get_vocab() != tokenizer.get_vocab():
-            raise ValueError(f"the reward model {args.reward_model_path} has another tokenizer than the policy: this script feeds it the policy's token ids")
-        reward_model = load_pretrained(AutoModelForSequenceClassification, args.reward_model_path, args, "--reward_model_path")
-        disable_dropout(reward_model.requires_grad_(False).eval())
-        reward_model = shard_model(reward_model, args, device)
+        reward_model = load_reward_model(args, tokenizer, device)
 
-    # 5. optimizer + lr schedule: the total is fixed now, and the scheduler steps once per optimizer step
-    optimizer = make_optimizer(model, args)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * args.num_training_steps),
-                              num_training_steps=args.num_training_steps)
-    start_step, loop_state = load_checkpoint(args.resume_from, model, optimizer, scheduler, args) if args.resume_from else (0, {"skipped": []})
-    skipped = loop_state["skipped"]  # steps whose update was skipped as non-finite (--skip_nonfinite)
+    # 4. optimizer and LR schedule, its total fixed now (or both restored by --resume_from)
+    optimizer, scheduler, start_step, state = make_optimizer(model, args)
+    metrics_path = open_metrics(args, start_step, rank)
 
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if rank == 0:
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name, save_code=True)
-        # a resumed run continues the same file: rows logged after the checkpoint are replaced
-        old_rows = [json.loads(line) for line in open(metrics_path)] if start_step > 0 and os.path.exists(metrics_path) else []
-        with open(metrics_path, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in old_rows if row["step"] <= start_step)
-
-    def rewards_of(prompts, completions, answers):
-        """reward_fn_weight x verifier + reward_model_weight x reward model score, minus missing_eos_penalty for a
-        completion without EOS. With a reward model this is a collective: every rank calls it as often."""
-        rewards = torch.zeros(len(completions), device=device)
-        if args.reward_fn:
-            texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-            rewards += args.reward_fn_weight * torch.tensor([verifier_reward(t, a, args.reward_fn) for t, a in zip(texts, answers)], device=device)
-        if reward_model is not None:
-            input_ids, attention_mask, _ = make_batch(prompts, completions, pad_token_id)
-            rewards += args.reward_model_weight * sequence_scores(reward_model, input_ids.to(device), attention_mask.to(device))
-        ended = torch.tensor([c[-1] == eos_token_id for c in completions], device=device)
-        return rewards - args.missing_eos_penalty * (~ended).float()
-
-    @torch.no_grad()
-    def evaluate():
-        """Mean reward of greedy completions of the test prompts, each rank its share (with the exact-match verifier
-        alone: the exact-match accuracy)."""
-        total = torch.zeros((), device=device)
-        with unsharded(model, keep=not args.reshard_after_forward):
-            for rows, valid in rank_micro_batches(len(test["prompt"]), rank, world_size, args.per_device_eval_batch_size):
-                prompts = [test["prompt"][i] for i in rows]
-                completions = generate_completions(model, prompts, args.max_completion_length, None, eos_token_id, pad_token_id,
-                                                   args.cache_implementation)
-                total += valid * rewards_of(prompts, completions, [test["answer"][i] for i in rows]).sum()
-        dist.all_reduce(total)
-        return {"eval/scores": total.item() / len(test["prompt"])}
-
-    # 6. training loop: a rollout, then num_iterations x num_mini_batches optimizer steps on it
-    N, C, S = args.rollout_batch_size, args.max_completion_length, args.local_rollout_forward_batch_size
+    # 5. training loop: a rollout, then num_iterations x num_mini_batches optimizer steps on it
     model.train()
-    # what each rank sums over the micro-batches between two logs (one all-reduce at logging)
-    WINDOW = ["loss", "tokens", "sequences", "processed", "seconds", "policy_loss", "approxkl", "clip_low", "clip_high", "ratio", "ratio_sq", "entropy", "kl"]
     progress = tqdm(total=args.num_training_steps, initial=start_step, disable=rank != 0, desc="grpo")
-    stop = False
-    window_start, window, window_steps = time.time(), torch.zeros(len(WINDOW), device=device), 0
-    for rollout in range(start_step // steps_per_rollout, num_rollouts):
+    stop = False  # a SIGTERM/SIGINT seen at an optimizer step (a resumed run may have no step left)
+    sums, window_steps, window_start = collections.defaultdict(lambda: torch.zeros((), device=device)), 0, time.time()
+    for rollout_index in range(start_step // steps_per_rollout, num_rollouts):
         rollout_start = time.time()
-        # ALGO LOGIC: 1. the rollout's prompts, each num_generations times: a group is num_generations consecutive rows
-        prompt_rows = [row for row in global_batch(rollout, num_prompts, args.num_prompts_per_rollout, args.seed) for _ in range(G)]
-        prompts, answers = [train["prompt"][row] for row in prompt_rows], [train["answer"][row] for row in prompt_rows]
+        # ALGO LOGIC: 1. the rollout's prompts, each num_generations times: a group is G consecutive rows
+        rows = [row for row in global_batch(rollout_index, num_prompts, args.num_prompts_per_rollout, args.seed)
+                for _ in range(G)]
+        rollout = {"prompts": [train["prompt"][row] for row in rows], "answers": [train["answer"][row] for row in rows]}
 
-        # 2. sample the completions, parameters gathered once: chunks of S rows, round-robin over the ranks, each
-        # seeded by (seed, rollout, chunk), so the samples do not depend on the number of processes; the sum over ranks
-        # of the zero-initialised tables then gives every rank the whole rollout
-        completion_ids = torch.zeros(N, C, dtype=torch.long, device=device)
-        lengths = torch.zeros(N, dtype=torch.long, device=device)
-        with unsharded(model, keep=not args.reshard_after_forward):
-            for chunk, start in enumerate(range(0, N, S)):
-                if chunk % world_size == rank:
-                    torch.manual_seed((args.seed * 100_003 + rollout) * 100_003 + chunk)
-                    chunk_completions = generate_completions(model, prompts[start : start + S], C, args.temperature, eos_token_id, pad_token_id,
-                                                             args.cache_implementation)
-                    for i, completion in enumerate(chunk_completions, start):
-                        completion_ids[i, : len(completion)] = torch.tensor(completion)
-                        lengths[i] = len(completion)
-        dist.all_reduce(completion_ids)
-        dist.all_reduce(lengths)
-        completions = [completion_ids[i, :length].tolist() for i, length in enumerate(lengths.tolist())]
-        ended = torch.tensor([c[-1] == eos_token_id for c in completions], device=device)
+        # 2. sample the completions (seeded by rollout and chunk, the parameters gathered once: sample_rollout)
+        rollout["completions"], lengths = sample_rollout(model, rollout["prompts"], args, rollout_index, rank,
+                                                         tokenizer.eos_token_id, pad_token_id, device)
+        ended = torch.tensor([c[-1] == tokenizer.eos_token_id for c in rollout["completions"]], device=device)
 
-        # 3. rewards, and the reference and old log-probs of the sampled tokens, each rank its share, summed over ranks
-        rewards = torch.zeros(N, device=device)
-        ref_logps = torch.zeros(N, C, device=device) if ref_model is not None else None
-        old_logps = torch.zeros(N, C, device=device) if args.num_iterations > 1 else None  # 1 iteration: old = current
-        with torch.no_grad():
-            for rows, valid in rank_micro_batches(N, rank, world_size, S):
-                batch_prompts, batch_completions = [prompts[i] for i in rows], [completions[i] for i in rows]
-                rewards[rows] += valid * rewards_of(batch_prompts, batch_completions, [answers[i] for i in rows])
-                input_ids, attention_mask, completion_mask = [t.to(device) for t in make_batch(batch_prompts, batch_completions, pad_token_id)]
-                width = completion_mask.shape[1]
-                if ref_logps is not None:
-                    ref_logps[rows, :width] += valid * completion_logprobs(ref_model, input_ids, attention_mask, width, args.temperature)
-                if old_logps is not None:
-                    old_logps[rows, :width] += valid * completion_logprobs(model, input_ids, attention_mask, width, args.temperature)
-        for table in (rewards, ref_logps, old_logps):
-            if table is not None:
-                dist.all_reduce(table)
+        # 3. rewards, and the reference and old log-probs of the sampled tokens
+        rewards, rollout["ref_logps"], rollout["old_logps"] = score_rollout(model, ref_model, reward_model, rollout,
+                                                                            tokenizer, pad_token_id, args, rank)
 
         # 4. advantages, and the tokens in the loss
-        advantages, zero_std = group_advantages(rewards, G, args.scale_rewards)
-        loss_mask = (torch.arange(C, device=device) < lengths[:, None]).float()
+        rollout["advantages"], zero_std = group_advantages(rewards, G, args.scale_rewards)
+        rollout["loss_mask"] = (torch.arange(args.max_completion_length, device=device) < lengths[:, None]).float()
         if args.mask_truncated_completions:
-            loss_mask *= ended[:, None]
-        rollout_stats = {"objective/scores": rewards.mean().item(), "completions/mean_length": lengths.float().mean().item(),
-                         "val/num_eos_tokens": ended.sum().item(), "completions/clipped_ratio": 1 - ended.float().mean().item(),
-                         "frac_reward_zero_std": zero_std.float().mean().item(), "time/rollout": time.time() - rollout_start}
-        table_rows = [i for i in (0, 1, G, G + 1) if i < N]  # two completions of each of the first two groups
-        samples = [[tokenizer.decode(prompts[i]), tokenizer.decode(completions[i]), rewards[i].item(), advantages[i].item()] for i in table_rows]
+            rollout["loss_mask"] *= ended[:, None]
+        rollout_stats = {"objective/scores": rewards.mean(), "completions/mean_length": lengths.float().mean(),
+                         "val/num_eos_tokens": ended.sum(), "completions/clipped_ratio": 1 - ended.float().mean(),
+                         "frac_reward_zero_std": zero_std.float().mean()}
+        rollout_stats = {k: v.item() for k, v in rollout_stats.items()} | {"time/rollout": time.time() - rollout_start}
+        samples = [["prompt", "completion", "reward", "advantage"]]  # two completions of each of the first two groups
+        samples += [[tokenizer.decode(rollout["prompts"][i]), tokenizer.decode(rollout["completions"][i]),
+                     rewards[i].item(), rollout["advantages"][i].item()] for i in (0, 1, G, G + 1) if i < len(rows)]
 
         # 5. num_iterations passes over the rollout, each in num_mini_batches optimizer steps
-        for iteration in range(args.num_iterations):
-            order = torch.randperm(N, generator=torch.Generator().manual_seed((args.seed * 100_003 + rollout) * 100_003 + iteration)).tolist()
-            for mini_batch in range(args.num_mini_batches):
-                update_start = time.time()
-                mini = order[mini_batch * args.batch_size : (mini_batch + 1) * args.batch_size]
-                step_loss = torch.zeros((), device=device)  # this rank's part of the step's loss
-                normaliser = loss_normaliser(loss_mask[mini], args)  # a count over the whole global mini-batch
-                for micro_step in range(args.gradient_accumulation_steps):
-                    start = (micro_step * world_size + rank) * mb
-                    micro = mini[start : start + mb]
-                    input_ids, attention_mask, completion_mask = [t.to(device) for t in make_batch([prompts[i] for i in micro], [completions[i] for i in micro], pad_token_id)]
-                    width = completion_mask.shape[1]
-                    mask = loss_mask[micro, :width]
-                    logps, entropy = completion_logprobs(model, input_ids, attention_mask, width, args.temperature, with_entropy=True)
-                    old = old_logps[micro, :width] if old_logps is not None else logps.detach()
-                    ref = ref_logps[micro, :width] if ref_logps is not None else None
-                    loss, ratio, policy_loss = grpo_loss(logps, old, ref, advantages[micro], mask, normaliser, args)
-                    loss.backward()
-                    step_loss += loss.detach()
-                    with torch.no_grad():  # statistics: sums over the tokens in the loss (kl: per completion), divided when logged
-                        A, kl = advantages[micro, None], kl_estimate(logps, ref, old, "k3") if ref is not None else torch.zeros_like(logps)
-                        token_stats = [policy_loss, 0.5 * (logps - old) ** 2, (ratio < 1 - args.epsilon) & (A < 0), (ratio > 1 + args.epsilon_high) & (A > 0),
-                                       ratio, ratio**2, entropy, kl]
-                        window += torch.stack([loss.detach(), mask.sum(), torch.tensor(float(len(micro)), device=device), attention_mask.sum(),
-                                               torch.zeros((), device=device)] + [(x * mask).sum() for x in token_stats])
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
-                done = rollout * steps_per_rollout + iteration * args.num_mini_batches + mini_batch + 1
-                update, stop = guard_step(step_loss, grad_norm, done, args, skipped)
-                if update:
-                    optimizer.step()
-                lr = scheduler.get_last_lr()[0]  # the learning rate this step used
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                progress.update(1)
-                window[WINDOW.index("seconds")] += time.time() - update_start  # this rank's seconds in updates
-                window_steps += 1
+        for k, mini in enumerate(rollout_mini_batches(rollout_index, args.num_iterations, args)):
+            update_start = time.time()
+            normaliser = loss_normaliser(rollout["loss_mask"][mini], args)  # a count over the global mini-batch
+            step_loss = accumulate_gradients(model, rollout, mini, normaliser, args, rank, sums, pad_token_id)
+            done = rollout_index * steps_per_rollout + k + 1
+            lr, grad_norm, stop = optimizer_step(model, optimizer, scheduler, step_loss, done, args, state["skipped"])
+            progress.update(1)
+            sums["seconds"] += time.time() - update_start  # this rank's seconds in updates
+            window_steps += 1
 
-                eval_now = done == args.num_training_steps or (args.eval_every > 0 and done % args.eval_every == 0)
-                if done % args.log_every == 0 or done == args.num_training_steps or eval_now:
-                    dist.all_reduce(window)
-                    w = dict(zip(WINDOW, window.tolist()))
-                    tokens, sequences = max(w["tokens"], 1.0), w["sequences"]
-                    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-                    metrics = {"step": done, "episode": (rollout + 1) * N, "lr": lr, "loss": w["loss"] / window_steps, "grad_norm": grad_norm.item(),
-                               "tokens_per_second": w["processed"] / (time.time() - window_start), **rollout_stats,
-                               "time/update": w["seconds"] / world_size / window_steps, "objective/entropy": w["entropy"] / tokens,
-                               "policy/approxkl_avg": w["approxkl"] / tokens, "policy/clipfrac_avg": (w["clip_low"] + w["clip_high"]) / tokens,
-                               "clip_ratio/low": w["clip_low"] / tokens, "clip_ratio/high": w["clip_high"] / tokens, "loss/policy_avg": w["policy_loss"] / tokens,
-                               "val/ratio": w["ratio"] / tokens, "val/ratio_var": w["ratio_sq"] / tokens - (w["ratio"] / tokens) ** 2}
-                    if ref_model is not None:  # k3 whatever the estimator in the loss, so runs compare on one chart
-                        kl = w["kl"] / sequences
-                        metrics.update({"objective/kl": kl, "objective/non_score_reward": -args.beta * kl, "objective/rlhf_reward": rollout_stats["objective/scores"] - args.beta * kl})
-                    if eval_now and test and test["prompt"]:
-                        metrics.update(evaluate())
-                    if rank == 0:
-                        progress.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-                        progress.write("\n".join(f"  reward {r:+.3f} advantage {a:+.3f} | {p!r} -> {c!r}" for p, c, r, a in samples))
-                        with open(metrics_path, "a") as f:
-                            f.write(json.dumps(metrics) + "\n")
-                        if args.track:
-                            wandb.log({**metrics, "samples": wandb.Table(columns=["prompt", "completion", "reward", "advantage"], data=samples)}, step=done)
-                    window_start, window, window_steps = time.time(), torch.zeros(len(WINDOW), device=device), 0
-                if (args.save_every > 0 and done % args.save_every == 0) or (stop and done % steps_per_rollout == 0):
-                    checkpoint = save_checkpoint(model, optimizer, scheduler, done, args, {"skipped": skipped})
+            if is_due(done, args.log_every, args) or is_due(done, args.eval_every, args):
+                w = reduce_sums(sums)
+                tokens = max(w["tokens"], 1.0)
+                metrics = {"step": done, "episode": (rollout_index + 1) * args.rollout_batch_size, "lr": lr,
+                           "loss": w["loss"] / window_steps, "grad_norm": grad_norm.item(),
+                           "tokens_per_second": w["processed"] / (time.time() - window_start), **rollout_stats,
+                           "time/update": w["seconds"] / world_size / window_steps,
+                           "objective/entropy": w["entropy"] / tokens, "policy/approxkl_avg": w["approxkl"] / tokens,
+                           "policy/clipfrac_avg": (w["clip_low"] + w["clip_high"]) / tokens,
+                           "clip_ratio/low": w["clip_low"] / tokens, "clip_ratio/high": w["clip_high"] / tokens,
+                           "loss/policy_avg": w["policy_loss"] / tokens, "val/ratio": w["ratio"] / tokens,
+                           "val/ratio_var": w["ratio_sq"] / tokens - (w["ratio"] / tokens) ** 2}
+                if ref_model is not None:  # k3 whatever the estimator in the loss, so runs compare on one chart
+                    kl = w["kl"] / w["sequences"]
+                    metrics.update({"objective/kl": kl, "objective/non_score_reward": -args.beta * kl,
+                                    "objective/rlhf_reward": rollout_stats["objective/scores"] - args.beta * kl})
+                if is_due(done, args.eval_every, args) and test and test["prompt"]:
+                    metrics.update(evaluate(model, reward_model, test, tokenizer, pad_token_id, args, rank))
+                log_metrics(metrics, metrics_path, args, progress, rank, samples)
+                sums, window_steps, window_start = collections.defaultdict(sums.default_factory), 0, time.time()
+            if (args.save_every > 0 and done % args.save_every == 0) or (stop and done % steps_per_rollout == 0):
+                checkpoint = save_checkpoint(model, optimizer, scheduler, done, args, state)
         if stop:  # the signal was seen during this rollout; its checkpoint is written
             break
     progress.close()
     if stop:
         leave_after_signal(checkpoint, rank)
 
-    # 7. save + cleanup
+    # 6. save the Hugging Face folder; report the peak memory
+    finish(model, tokenizer, args, device, rank)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Infrastructure: identical in every script that has it (tests/test_consistency.py). Skip it on a first read.
+# ---------------------------------------------------------------------------------------------------------------------
+def setup(args):
+    """Distributed init (torchrun sets RANK and WORLD_SIZE; `python script.py` is world size 1 on the same code path),
+    SIGTERM/SIGINT handlers, --resume_from auto, the computed batch sizes, the seeds and the output folder. Returns
+    rank, world size, device. TRY NOT TO MODIFY: each rank seeds its own stream (dropout); the data order and the
+    sampling use generators of their own, seeded by step."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    signal.signal(signal.SIGTERM, request_stop)  # preemption: checkpoint at the next optimizer step, then leave
+    signal.signal(signal.SIGINT, request_stop)
+    if args.resume_from == "auto":  # the latest complete checkpoint; None: nothing to continue, start at step 0
+        args.resume_from = (complete_checkpoints(args.output_dir) or [None])[-1]
+    args.world_size = world_size
+    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    args.batch_size = args.local_batch_size * world_size
+    random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    os.makedirs(args.output_dir, exist_ok=True)
+    return rank, world_size, device
+
+
+def load_split(name, split):
+    """A split of a hub dataset, a local dataset folder, or a local file (a single file is the train split).
+    Returns None when there is no such split."""
+    if os.path.isfile(name):
+        builders = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}
+        extension = name.rsplit(".", 1)[-1]
+        if extension not in builders:
+            raise ValueError(f"dataset file {name!r}: unknown format .{extension}; give a .json, .jsonl, .parquet or "
+                             ".csv file, a folder of them, or a hub id")
+        return datasets.load_dataset(builders[extension], data_files=name, split="train") if split == "train" else None
+    if os.path.isfile(os.path.join(name, "dataset_dict.json")):  # a DatasetDict written by save_to_disk
+        dataset_dict = datasets.load_from_disk(name)
+        return dataset_dict[split] if split in dataset_dict else None
+    try:
+        return datasets.load_dataset(name, split=split)
+    except ValueError as e:
+        if "Unknown split" in str(e):
+            return None
+        raise
+    except FileNotFoundError as e:
+        raise ValueError(f"dataset {name!r} is neither a local file or folder of data files nor a dataset on the hub: "
+                         f"{e}") from e
+
+
+def load_pretrained(auto_class, path, args, flag):
+    """auto_class.from_pretrained(path), stopping with a message that names the flag when `path` is not such a model
+    or tokenizer, or when the model lacks weights (a causal LM given as a reward model would get a random score head:
+    HF only warns). Code from the hub runs only with --trust_remote_code."""
+    model_kwargs = {} if auto_class is AutoTokenizer else {"dtype": torch.float32, "output_loading_info": True}
+    try:
+        loaded = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **model_kwargs)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag} {path!r} does not load with {auto_class.__name__}: {e}") from e
+    if auto_class is AutoTokenizer:
+        return loaded
+    model, info = loaded
+    if info["missing_keys"]:
+        raise ValueError(f"{flag} {path!r} has no weights for {sorted(info['missing_keys'])} as "
+                         f"{type(model).__name__}: give a model of that kind (a reward model: the output folder of "
+                         "reward.py)")
+    return model
+
+
+def load_tokenizer(args):
+    """The tokenizer of --model_name_or_path and the pad token id (its EOS when it has no pad token)."""
+    tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer of {args.model_name_or_path} has no eos_token: completions could never end")
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return tokenizer, pad_token_id
+
+
+def load_data(args, tokenizer, tokenize, rank):
+    """The train and test splits of --dataset_name through tokenize(dataset, tokenizer, args) -> (columns, dropped).
+    Every rank holds all of it, so each knows the whole global batch. Returns train, test (None: no such split) and
+    the train split's dropped rows by reason."""
+    train_dataset = load_split(args.dataset_name, args.dataset_train_split)
+    if train_dataset is None:
+        raise ValueError(f"dataset {args.dataset_name!r} has no split {args.dataset_train_split!r}")
+    train, dropped = tokenize(train_dataset, tokenizer, args)
+    eval_dataset = load_split(args.dataset_name, args.dataset_test_split)
+    test = tokenize(eval_dataset, tokenizer, args)[0] if eval_dataset else None
+    if rank == 0:
+        print(f"train: {len(train['prompt'])} of {len(train_dataset)} rows kept; dropped: {dropped}")
+        print(f"eval: {len(test['prompt'])} rows" if test else f"no split {args.dataset_test_split!r}: eval skipped")
+    return train, test, dropped
+
+
+def tokenize_prompts(dataset, tokenizer, args, answer_column=None):
+    """Rows of `prompt` (a string, or a list of {"role", "content"} messages rendered with the chat template and its
+    generation prompt), plus an answer column for verifiers -> {"prompt": token ids, "answer": ...}. Empty and
+    over-long prompts are dropped and counted, never silently."""
+    columns = dataset.column_names
+    if "prompt" not in columns or (answer_column and answer_column not in columns):
+        answer = f" and an {answer_column!r} column for the verifier" if answer_column else ""
+        raise ValueError(f"dataset {args.dataset_name!r} has columns {columns}, but needs a 'prompt' column (a "
+                         f"string, or a list of {{'role', 'content'}} messages){answer}")
+    answers = dataset[answer_column] if answer_column else [None] * len(dataset)
+    data, dropped = {"prompt": [], "answer": []}, {"empty prompt": 0, "prompt too long": 0}
+    for prompt, answer in zip(dataset["prompt"], answers):
+        if not prompt:
+            dropped["empty prompt"] += 1
+            continue
+        if isinstance(prompt, str):
+            ids = tokenizer(prompt)["input_ids"]
+        else:  # the template writes the special tokens itself
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > args.max_prompt_length:
+            dropped["prompt too long"] += 1
+        else:
+            data["prompt"].append(ids)
+            data["answer"].append(answer)
+    return data, dropped
+
+
+def rollouts_of(num_prompts, generations, passes, args, dropped, rank):
+    """The rollouts of an RL run: --max_steps, or --num_train_epochs passes over the prompts. A rollout samples
+    `generations` completions for each of its prompts (rollout_batch_size completions), then makes `passes`
+    (num_iterations, num_ppo_epochs) x num_mini_batches optimizer steps on them. Sets num_training_steps; returns the
+    number of rollouts and the optimizer steps per rollout."""
+    steps_per_rollout = getattr(args, passes) * args.num_mini_batches
+    for flag, value in (("--max_steps", args.max_steps), ("--save_every", args.save_every)):
+        if value > 0 and value % steps_per_rollout:
+            raise ValueError(f"{flag} must be a multiple of {passes} x num_mini_batches = {steps_per_rollout}, the "
+                             "optimizer steps of a rollout (checkpoints are taken between rollouts)")
+    prompts_per_rollout = args.rollout_batch_size // generations
+    if num_prompts // prompts_per_rollout == 0:
+        raise ValueError(f"{num_prompts} training prompts cannot fill one rollout of {prompts_per_rollout} prompts; "
+                         f"dropped: {dropped}. Lower the batch sizes or the number of processes, use more data, or "
+                         "raise --max_prompt_length if the prompts were dropped as too long")
+    epochs = args.num_train_epochs * (num_prompts // prompts_per_rollout)
+    num_rollouts = args.max_steps // steps_per_rollout if args.max_steps > 0 else epochs
+    args.num_training_steps = num_rollouts * steps_per_rollout
+    if rank == 0:
+        groups = f" x {generations} generations = {args.rollout_batch_size} completions" if generations > 1 else ""
+        print(f"{num_rollouts} rollouts of {prompts_per_rollout} prompts{groups}, each {getattr(args, passes)} "
+              f"{passes.split('_')[-1]} x {args.num_mini_batches} mini-batches of {args.batch_size} completions "
+              f"({args.world_size} processes x {args.per_device_train_batch_size} per micro-batch x "
+              f"{args.gradient_accumulation_steps} accumulation) = {args.num_training_steps} optimizer steps")
+    return num_rollouts, steps_per_rollout
+
+
+def global_batch(step, num_rows, batch_size, seed):
+    """Row indices of global batch number `step` (of an optimizer step; of a rollout in RL scripts): the same on every
+    rank and a function of the step alone, so a resumed run sees the same data. Reshuffled every epoch; each epoch
+    leaves its remainder rows out."""
+    epoch, position = divmod(step, num_rows // batch_size)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return order[position * batch_size : (position + 1) * batch_size].tolist()
+
+
+def micro_batches(batch, args, rank):
+    """This rank's micro-batches of a global batch: gradient_accumulation_steps of per_device_train_batch_size rows,
+    the k-th starting at row (k x world_size + rank) x size, so that every split reads the same global batch."""
+    size = args.per_device_train_batch_size
+    for k in range(args.gradient_accumulation_steps):
+        start = (k * args.world_size + rank) * size
+        yield batch[start : start + size]
+
+
+def rank_micro_batches(num_rows, rank, world_size, size):
+    """This rank's share of rows 0..num_rows-1 in micro-batches of `size`, as many on every rank because each forward
+    of an FSDP model is a collective: a rank that has run out gets row 0 with valid=False, to be ignored."""
+    share = list(range(rank, num_rows, world_size))
+    for start in range(0, math.ceil(num_rows / world_size), size):
+        rows = share[start : start + size]
+        yield (rows, True) if rows else ([0], False)
+
+
+def pad(sequences, value, side):
+    """Pad lists of ints to one width, on the left or the right; returns a LongTensor."""
+    width = max(len(s) for s in sequences)
+    fill = [[value] * (width - len(s)) for s in sequences]
+    return torch.tensor([f + s if side == "left" else s + f for s, f in zip(sequences, fill)], dtype=torch.long)
+
+
+def make_batch(prompts, completions, pad_token_id):
+    """[left-padded prompts | right-padded completions]. Masks come from lengths, never from pad_token_id, so the
+    completion's EOS stays in the loss when pad == eos. Returns input_ids, attention_mask, completion_mask."""
+    ones = [[1] * len(s) for s in prompts], [[1] * len(s) for s in completions]
+    input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
+    completion_mask = pad(ones[1], 0, "right")
+    return input_ids, torch.cat([pad(ones[0], 0, "left"), completion_mask], 1), completion_mask
+
+
+def batch_on(device, prompts, completions, rows, pad_token_id):
+    """make_batch of the given rows, on the device."""
+    batch = make_batch([prompts[i] for i in rows], [completions[i] for i in rows], pad_token_id)
+    return [t.to(device) for t in batch]
+
+
+def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
+    """Log-probabilities of the last `completion_width` tokens, from logits / temperature; with_entropy: also the
+    entropy of each of those next-token distributions (detached: a statistic, not a loss term)."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                   logits_to_keep=completion_width + 1).logits[:, :-1]  # logits at t predict token t + 1
+    logits = logits.float() / temperature
+    labels = input_ids[:, -completion_width:]
+    # log_softmax at the label without materialising it over the vocabulary: logit - logsumexp
+    logsumexp = logits.logsumexp(-1)
+    logprobs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logsumexp
+    if not with_entropy:
+        return logprobs
+    with torch.no_grad():  # H = logsumexp - sum(p * logits)
+        return logprobs, logsumexp - (logits.softmax(-1) * logits).sum(-1)
+
+
+def last_token_index(attention_mask):
+    """Column of the last real token of each row, from the mask alone: right for left or right padding, and when
+    pad == eos (HF's sequence classification takes the last token != pad_token_id, which skips an EOS equal to pad)."""
+    return (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(1)
+
+
+def sequence_scores(model, input_ids, attention_mask):
+    """Reward-model score of each row at its last real token, plus the config's `score_bias` (reward.py
+    --normalize_reward; HF's decoder classification heads have no bias parameter to hold it). HF applies the head at
+    every position and pools by pad_token_id; a hook keeps the head's output for all positions and we index it."""
+    outputs = []
+    hook = model.score.register_forward_hook(lambda module, inputs, output: outputs.append(output))
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    hook.remove()
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    return outputs[0][rows, last_token_index(attention_mask), 0].float() + getattr(model.config, "score_bias", 0.0)
+
+
+def disable_dropout(model):
+    """Dropout off: every dropout layer, and the attention dropout that HF models read from an attribute."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def shard_model(model, args, device):
+    """FSDP2: each decoder layer, then the root (embeddings, final norm, head). Gradients are summed over ranks,
+    not averaged: every loss here is already divided by a count taken over the whole global batch."""
+    bf16 = args.bf16 and device.type == "cuda"
+    mixed = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
+    policies = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)),
+                "mp_policy": MixedPrecisionPolicy(**mixed),
+                "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()}
+    layer_classes = set(model._no_split_modules or [])  # HF's name for the decoder layer classes
+    for module in model.modules():
+        if type(module).__name__ in layer_classes:
+            fully_shard(module, reshard_after_forward=args.reshard_after_forward, **policies)
+    fully_shard(model, **policies)  # the root keeps its own default: it runs first in the backward
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def load_trained(auto_class, path, args, flag, device):
+    """A model to train: loaded, dropout off (the log-probs and values of the same tokens must not change between the
+    passes that compare them), activations recomputed in the backward with --gradient_checkpointing, sharded."""
+    model = load_pretrained(auto_class, path, args, flag)
+    disable_dropout(model)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return shard_model(model, args, device)
+
+
+def load_reward_model(args, tokenizer, device):
+    """The frozen reward model of --reward_model_path (written by reward.py), refused unless its tokenizer is the
+    policy's: the scripts feed it the policy's token ids."""
+    reward_tokenizer = load_pretrained(AutoTokenizer, args.reward_model_path, args, "--reward_model_path")
+    if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"the reward model {args.reward_model_path} has another tokenizer than the policy: this "
+                         "script feeds it the policy's token ids")
+    return load_frozen(AutoModelForSequenceClassification, args.reward_model_path, args, "--reward_model_path", device)
+
+
+def load_frozen(auto_class, path, args, flag, device):
+    """A model that is not trained (a reference or a reward model): loaded, dropout off, no gradients, eval mode,
+    sharded like the policy."""
+    model = load_pretrained(auto_class, path, args, flag)
+    disable_dropout(model.requires_grad_(False).eval())
+    return shard_model(model, args, device)
+
+
+def make_optimizer(model, args):
+    """AdamW (fused: one kernel over all parameters; foreach over DTensors took 2-3x the time on CPU) or TF Adam; the
+    LR schedule, fixed now for num_training_steps and stepped once per optimizer step; and the step and the loop's own
+    state from --resume_from (else 0 and a fresh {"skipped": []})."""
+    if args.optimizer == "adam_tf":
+        optimizer = AdamTF(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon,
+                                      weight_decay=args.weight_decay, fused=True)
+    warmup = math.ceil(args.warmup_ratio * args.num_training_steps)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                              num_training_steps=args.num_training_steps)
+    start_step, state = (0, {"skipped": []})
+    if args.resume_from:
+        start_step, state = load_checkpoint(args.resume_from, model, optimizer, scheduler, args)
+    return optimizer, scheduler, start_step, state
+
+
+def optimizer_step(model, optimizer, scheduler, loss, step, args, skipped):
+    """Clip the gradient norm (--max_grad_norm; 0: measured only), apply the update unless guard_step refuses it,
+    step the LR schedule once, clear the gradients. `loss` is this rank's part of the step's loss. Returns the
+    learning rate the step used, the gradient norm, and whether to stop (a signal arrived)."""
+    max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    update, stop = guard_step(loss, grad_norm, step, args, skipped)
+    if update:
+        optimizer.step()
+    lr = scheduler.get_last_lr()[0]  # the learning rate this step used
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lr, grad_norm, stop
+
+
+def is_due(step, every, args):
+    """Whether to log (or evaluate) after optimizer step `step`: every `every` steps (-1: never), and the last one."""
+    return step == args.num_training_steps or (every > 0 and step % every == 0)
+
+
+def reduce_sums(sums):
+    """{name: this rank's running sum (a 0-d tensor)} -> {name: the sum over all ranks}, in one all-reduce. Every
+    rank runs the same code, so every rank has the same names."""
+    names = sorted(sums)
+    totals = torch.stack([sums[name].float() for name in names])
+    dist.all_reduce(totals)
+    return dict(zip(names, totals.tolist()))
+
+
+def open_metrics(args, start_step, rank):
+    """Rank 0: the wandb run (--track) and output_dir/metrics.jsonl; a resumed run continues the file, and the rows
+    logged after its checkpoint are dropped. Returns the file's path."""
+    path = os.path.join(args.output_dir, "metrics.jsonl")
+    if rank == 0:
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), save_code=True,
+                       name=f"{args.exp_name}__{args.seed}__{int(time.time())}")
+        old = [json.loads(line) for line in open(path)] if start_step > 0 and os.path.exists(path) else []
+        with open(path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in old if row["step"] <= start_step)
+    return path
+
+
+def log_metrics(metrics, path, args, progress, rank, samples=None):
+    """Rank 0 prints the metrics, appends them to metrics.jsonl and logs them to wandb. `samples`: a table of
+    completions, its first row the header (prompt, completion, then numbers), printed and logged as a wandb table.
+    No collective here: the metrics are reduced before."""
+    if rank != 0:
+        return
+    progress.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+    for prompt, completion, *numbers in (samples or [[]])[1:]:
+        values = ", ".join(f"{name} {value:+.3f}" for name, value in zip(samples[0][2:], numbers))
+        progress.write(f"  {values} | {prompt!r} -> {completion!r}")
+    with open(path, "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    if args.track:
+        import wandb
+
+        table = {"samples": wandb.Table(columns=samples[0], data=samples[1:])} if samples else {}
+        wandb.log({**metrics, **table}, step=metrics["step"])
+
+
+@contextlib.contextmanager
+def unsharded(model, keep=False):
+    """Every FSDP2 parameter gathered once for the whole block: generation runs one forward per new token, and FSDP2
+    would otherwise all-gather every layer again for each one. No forward in the block is then a collective, so ranks
+    may generate different numbers of tokens. FSDP2's forward hooks are set aside meanwhile: with everything gathered
+    they have nothing to do, yet they ran at every module for every token (a third of a GRPO step on an H100,
+    bench/RESULTS.md) and would split a compiled graph. keep (--no-reshard_after_forward): still gathered after the
+    block, so the next forward needs no all-gather; the backward frees them."""
+    fsdp_modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    hooks = [(module._forward_pre_hooks, module._forward_hooks) for module in fsdp_modules]
+    for module in fsdp_modules:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
+        module._forward_pre_hooks, module._forward_hooks = collections.OrderedDict(), collections.OrderedDict()
+    try:
+        yield
+    finally:
+        for module, (pre_hooks, post_hooks) in zip(fsdp_modules, hooks):
+            module._forward_pre_hooks, module._forward_hooks = pre_hooks, post_hooks
+            if not keep:
+                module.set_reshard_after_forward(module is not model, recurse=False)  # as shard_model left it
+                module.reshard()
+
+
+@torch.no_grad()
+def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_id, pad_token_id, cache="dynamic"):
+    """One completion per prompt (lists of token ids) with HF generate: sampled from softmax(logits / temperature), or
+    greedy if temperature is None. Each completion is cut after its first EOS; one without EOS is truncated. cache:
+    --cache_implementation; static pads the prompts to a multiple of 64 tokens, so that widths share a compiled step."""
+    device = next(model.parameters()).device
+    input_ids, attention_mask = pad(prompts, pad_token_id, "left"), pad([[1] * len(p) for p in prompts], 0, "left")
+    if cache == "static":
+        extra = -input_ids.shape[1] % 64
+        input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad_token_id)
+        attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0), value=0)
+    # Sample from exactly the distribution the log-probs are computed from: generate fills every option left unset
+    # from the model folder's generation_config (Qwen's sets top_k 20, top_p 0.8, repetition_penalty 1.05), and its
+    # global default top_k is 50, so swap in a blank config and turn top_k off.
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
+    config = GenerationConfig(**(sampling or {"do_sample": False}), max_new_tokens=max_new_tokens,
+                              eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                              cache_implementation=None if cache == "dynamic" else cache)
+    folder_config, model.generation_config, was_training = model.generation_config, GenerationConfig(), model.training
+    model.eval()  # gradient checkpointing acts in training mode only, and there it turns the KV cache off
+    try:  # position ids: generate derives them from the attention mask itself. synced_gpus: HF would all-reduce a
+        # "finished" flag after every token of an FSDP model; with the parameters gathered, ranks need not keep step
+        output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                generation_config=config, synced_gpus=False)
+    finally:
+        model.generation_config = folder_config
+        model.train(was_training)
+    rows = output[:, input_ids.shape[1] :].tolist()
+    return [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
+
+
+def sample_rollout(model, prompts, args, rollout, rank, eos_token_id, pad_token_id, device):
+    """Completions of every prompt, the parameters gathered once: chunks of local_rollout_forward_batch_size rows,
+    round-robin over the ranks, each seeded by (seed, rollout, chunk), so the samples depend neither on the number of
+    processes nor on a resume; the sum over ranks of the zero-initialised tables gives every rank the whole rollout.
+    Returns the completions (lists of token ids, cut after EOS) and their lengths (a tensor)."""
+    n, width, chunk_size = len(prompts), args.max_completion_length, args.local_rollout_forward_batch_size
+    completion_ids = torch.zeros(n, width, dtype=torch.long, device=device)
+    lengths = torch.zeros(n, dtype=torch.long, device=device)
+    with unsharded(model, keep=not args.reshard_after_forward):
+        for chunk, start in enumerate(range(0, n, chunk_size)):
+            if chunk % args.world_size != rank:
+                continue
+            torch.manual_seed((args.seed * 100_003 + rollout) * 100_003 + chunk)
+            chunk_prompts = prompts[start : start + chunk_size]
+            completions = generate_completions(model, chunk_prompts, width, args.temperature, eos_token_id,
+                                               pad_token_id, args.cache_implementation)
+            for i, completion in enumerate(completions, start):
+                completion_ids[i, : len(completion)] = torch.tensor(completion)
+                lengths[i] = len(completion)
+    dist.all_reduce(completion_ids)
+    dist.all_reduce(lengths)
+    return [completion_ids[i, :length].tolist() for i, length in enumerate(lengths.tolist())], lengths
+
+
+def rollout_mini_batches(rollout, passes, args):
+    """`passes` passes over a rollout of rollout_batch_size completions, each a fresh order (seeded by rollout and
+    pass) cut into num_mini_batches global mini-batches of batch_size: the same on every rank and after a resume."""
+    for iteration in range(passes):
+        seed = (args.seed * 100_003 + rollout) * 100_003 + iteration
+        order = torch.randperm(args.rollout_batch_size, generator=torch.Generator().manual_seed(seed)).tolist()
+        for k in range(args.num_mini_batches):
+            yield order[k * args.batch_size : (k + 1) * args.batch_size]
+
+
+STOP_SIGNALS = []  # signals received: request_stop appends, guard_step reads
+
+
+def request_stop(signum, frame):
+    """SIGTERM (preemption: torchrun forwards it to every process) or SIGINT (Ctrl-C) only raise a flag; the loop sees
+    it at the next optimizer step, saves a checkpoint and leaves. A second Ctrl-C stops at once."""
+    if signum == signal.SIGINT and STOP_SIGNALS:
+        raise KeyboardInterrupt
+    STOP_SIGNALS.append(signum)
+
+
+def guard_step(loss, grad_norm, step, args, skipped):
+    """Before optimizer.step(), one all-reduce: is this step's loss (this rank's part) or gradient norm NaN or inf
+    anywhere, and has any rank been asked to stop? Every rank gets the same answer and takes the same branch. A
+    non-finite step is not applied, up to --skip_nonfinite times (`skipped` lists them); past that the run stops with
+    a message naming the step, the metric and the last complete checkpoint. Returns (apply the update, stop now)."""
+    norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    stop_flag = torch.tensor(float(bool(STOP_SIGNALS)), device=norm.device)
+    flags = torch.stack([(~torch.isfinite(loss)).float(), (~torch.isfinite(norm)).float(), stop_flag])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    bad_loss, bad_norm, stop = flags.tolist()
+    if not bad_loss and not bad_norm:
+        return True, stop > 0
+    what = " and ".join(name for name, bad in [("loss", bad_loss), ("grad_norm", bad_norm)] if bad)
+    skipped.append(step)
+    if len(skipped) <= args.skip_nonfinite:
+        if dist.get_rank() == 0:
+            print(f"step {step}: non-finite {what}: update skipped ({len(skipped)} of --skip_nonfinite "
+                  f"{args.skip_nonfinite})")
+        return False, stop > 0
+    last = (complete_checkpoints(args.output_dir) or ["none (see --save_every)"])[-1]
+    raise FloatingPointError(
+        f"step {step}: non-finite {what} (grad_norm {norm.item()}); the model was not updated with it. Last complete "
+        f"checkpoint: {last}. Resume from it with a lower --learning_rate or --max_grad_norm, check this step's data, "
+        "or pass --skip_nonfinite N to skip up to N such steps")
+
+
+def leave_after_signal(checkpoint, rank):
+    """After the checkpoint a SIGTERM/SIGINT asked for: say how to continue, close the process group and exit with
+    128 + the signal, so that a job scheduler sees an interrupted run, not a finished one."""
+    signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # the signal may have reached another rank only
+    if rank == 0:
+        print(f"stopped by {signal.Signals(signum).name}: checkpoint {checkpoint}; the same command with "
+              "--resume_from auto continues the run")
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(128 + signum)
+
+
+def complete_checkpoint(path):
+    """The manifest (checkpoint.json) of a complete checkpoint folder, else None: the folder is named after its step,
+    and every file the manifest lists is there at its size (a folder still being written, truncated or copied in
+    part fails this)."""
+    try:
+        manifest = json.load(open(os.path.join(path, "checkpoint.json")))
+        sizes = all(os.path.getsize(os.path.join(path, name)) == size for name, size in manifest["files"].items())
+        return manifest if sizes and os.path.basename(os.path.normpath(path)) == f"step_{manifest['step']}" else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def complete_checkpoints(output_dir):
+    """The complete checkpoints of output_dir/checkpoints, oldest step first (--resume_from auto takes the last)."""
+    root = os.path.join(output_dir, "checkpoints")
+    found = [(manifest["step"], os.path.join(root, name)) for name in (os.listdir(root) if os.path.isdir(root) else [])
+             if (manifest := complete_checkpoint(os.path.join(root, name)))]
+    return [path for _, path in sorted(found)]
+
+
+def save_checkpoint(model, optimizer, scheduler, step, args, state):
+    """output_dir/checkpoints/step_N: model and optimizer tensors (torch.distributed.checkpoint, sharded), and per
+    rank the scheduler, the RNG states and `state` (the loop's own: skipped steps, the KL controller) in a
+    weights_only file. Written as step_N.tmp; when every rank is done, rank 0 lists each file with its size in
+    checkpoint.json (with the arguments) and renames the folder, so a crash while saving leaves the previous
+    checkpoint the latest complete one. --keep_last N then removes the older ones. Returns the folder."""
+    rank = dist.get_rank()
+    path = os.path.join(args.output_dir, "checkpoints", f"step_{step}")
+    if rank == 0:
+        shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # left by a crash
+    dist.barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=f"{path}.tmp")
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    extra = {"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state}
+    torch.save(extra, f"{path}.tmp/rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        files = {name: os.path.getsize(os.path.join(f"{path}.tmp", name)) for name in os.listdir(f"{path}.tmp")}
+        with open(f"{path}.tmp/checkpoint.json", "w") as f:
+            json.dump({"step": step, "args": vars(args), "files": files}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(path, ignore_errors=True)  # a run restarted into the same output_dir overwrites its old step
+        os.replace(f"{path}.tmp", path)
+        for old in complete_checkpoints(args.output_dir)[: -args.keep_last] if args.keep_last > 0 else []:
+            shutil.rmtree(old)
+    dist.barrier()
+    return path
+
+
+# arguments that may change when a run resumes: where it logs, how often, and how the same global batch is split
+RESUMABLE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "resume_from", "log_every",
+             "eval_every", "save_every", "keep_last", "skip_nonfinite", "per_device_train_batch_size",
+             "gradient_accumulation_steps", "per_device_eval_batch_size", "local_rollout_forward_batch_size",
+             "cache_implementation", "gradient_checkpointing", "cpu_offload", "reshard_after_forward", "world_size",
+             "local_batch_size"}
+
+
+class CheckpointReader(dcp.FileSystemReader):
+    """DCP's file reader, with its .metadata (a pickle) read through an allow-list: DCP's metadata classes, torch
+    sizes, dtypes and layouts, paths. Loading a checkpoint cannot run code planted in it; the tensors are raw bytes,
+    and save_checkpoint writes no pickled objects (the rest is in json and weights_only files)."""
+
+    def read_metadata(self, *args, **kwargs):
+        allowed_names = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                         ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                         ("pathlib", "WindowsPath"), ("pathlib", "Path")}
+
+        def allowed(module, name):
+            return (module == "torch.distributed.checkpoint.metadata" or (module, name) in allowed_names
+                    or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+
+        class Unpickler(pickle.Unpickler):
+            def find_class(self, module, name):
+                if not allowed(module, name):
+                    raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}: not a DCP "
+                                                 "metadata class")
+                return super().find_class(module, name)
+
+        with open(os.path.join(self.path, ".metadata"), "rb") as f:
+            metadata = Unpickler(f).load()
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def load_checkpoint(path, model, optimizer, scheduler, args):
+    """Restore a checkpoint of save_checkpoint, after checking that it is complete and belongs to this run: every
+    argument outside RESUMABLE must match (model, data, seed, schedule, algorithm, the global batch). The number of
+    processes may change if the global batch stays the same (DCP reshards; the per-rank RNG streams then restart).
+    Nothing is unpickled. Returns the step and the loop's own state."""
+    manifest = complete_checkpoint(path)
+    if manifest is None:
+        raise ValueError(f"--resume_from {path!r} is not a complete checkpoint (a step_N folder whose checkpoint.json "
+                         "lists files that are all there); --resume_from auto picks the latest complete one")
+    now = json.loads(json.dumps(vars(args)))
+    mismatched = [f"{name} {manifest['args'].get(name)!r} in the checkpoint, {value!r} now"
+                  for name, value in now.items() if name not in RESUMABLE and manifest["args"].get(name) != value]
+    if mismatched:
+        raise ValueError(f"checkpoint {path} does not match the arguments: {'; '.join(mismatched)}. Resume with the "
+                         "arguments it was written with (batch_size = processes x --per_device_train_batch_size x "
+                         "--gradient_accumulation_steps), or start a new run in another --output_dir")
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state["state"]}
+    reader = CheckpointReader(path)
+    reader.read_metadata()  # a refusal surfaces here: DCP itself (torch 2.11) swallows read_metadata's errors
+    dcp.load(state, storage_reader=reader)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict={"state": state["optimizer"], "param_groups": optimizer_state["param_groups"]})
+    same_processes = manifest["args"]["world_size"] == args.world_size
+    extra = torch.load(os.path.join(path, f"rank{dist.get_rank() if same_processes else 0}.pt"), weights_only=True)
+    scheduler.load_state_dict(extra["scheduler"])
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr  # the learning rate of the next step (param_groups are not in the checkpoint)
+    if same_processes:
+        torch.set_rng_state(extra["rng"]["torch"])
+        random.setstate(extra["rng"]["python"])
+        if "cuda" in extra["rng"]:
+            torch.cuda.set_rng_state(extra["rng"]["cuda"])
+    elif dist.get_rank() == 0:
+        print(f"resuming on {args.world_size} processes a run of {manifest['args']['world_size']}: same weights, "
+              "optimizer, schedule and data order; the per-process random streams (dropout) restart")
+    return extra["step"], extra["state"]
+
+
+def save_hf_model(model, tokenizer, output_dir, rank):
+    """Gather the full weights on rank 0 (a collective: every rank calls this) and write a Hugging Face folder."""
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    first_name = {}  # tied parameters (input embeddings = head) come back as copies: keep the first name only
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if first_name.setdefault(id(param), name) != name:
+            state_dict.pop(name, None)
+    if rank == 0:
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
+
+
+def finish(model, tokenizer, args, device, rank):
+    """Write the Hugging Face folder (a collective), print the peak memory of the busiest process (GPU allocations,
+    or the CPU resident set), close wandb and the process group."""
     save_hf_model(model, tokenizer, args.output_dir, rank)
-    on_gpu = device.type == "cuda"  # peak memory of the busiest process: GPU allocations, or CPU resident set size
-    peak = torch.tensor(torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0, device=device)
+    on_gpu = device.type == "cuda"
+    used = torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = torch.tensor(float(used), device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print(f"saved {args.output_dir}; peak {'GPU' if on_gpu else 'CPU RSS'} memory per process {peak.item() / 2**30:.2f} GiB")
+        print(f"saved {args.output_dir}; peak {'GPU' if on_gpu else 'CPU RSS'} memory per process "
+              f"{peak.item() / 2**30:.2f} GiB")
         if args.track:
+            import wandb
+
             wandb.finish()
     dist.barrier()  # no rank tears gloo/nccl down while another still communicates (gloo can abort at exit otherwise)
     dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

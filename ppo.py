@@ -1,15 +1,18 @@
-"""Proximal Policy Optimization (PPO) for RLHF in one file: sample a completion for each prompt, score it with a reward
-model, penalise each token's KL to the reference model, and train the policy with PPO's clipped surrogate and a value
-model with a clipped value loss, on advantages from GAE. Papers: arXiv:1909.08593 (Ziegler et al., lm-human-preferences),
-arXiv:1707.06347 (PPO), arXiv:2403.17031 (the N+ implementation details of RLHF with PPO). What differs from those:
-(1) the loss is divided by the completion tokens of the whole global mini-batch, so the split into processes and
-micro-batches does not change the update; (2) rollouts are seeded by (seed, rollout, generation chunk), so a run samples
-the same completions on any number of processes and resumes bit for bit; (3) the value model is a separate model
-(initialised from the reward model), trained by the same optimizer.
+"""Proximal Policy Optimization (PPO) for RLHF in one file: sample a completion for each prompt, score it with a
+reward model, penalise each token's KL to the reference model, and train the policy with PPO's clipped surrogate and a
+value model with a clipped value loss, on advantages from GAE. Papers: arXiv:1909.08593 (Ziegler et al.,
+lm-human-preferences), arXiv:1707.06347 (PPO), arXiv:2403.17031 (the N+ implementation details of RLHF with PPO).
+What differs from those: (1) the loss is divided by the completion tokens of the whole global mini-batch, so the split
+into processes and micro-batches does not change the update; (2) rollouts are seeded by (seed, rollout, generation
+chunk), so a run samples the same completions on any number of processes and resumes bit for bit; (3) the value model
+is a separate model (initialised from the reward model), trained by the same optimizer.
+Read `main` first; the functions below the Infrastructure line are the same in every script and can be skipped.
 Run:  torchrun --nproc_per_node 2 ppo.py --model_name_or_path runs/sft --reward_model_path runs/reward \
-          --dataset_name toy/prompts --output_dir runs/ppo --max_completion_length 12 --optimizer adam_tf --adam_epsilon 1e-5
-      torchrun --nproc_per_node 8 ppo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --reward_model_path runs/reward_qwen \
-          --dataset_name trl-lib/tldr --max_completion_length 53 --optimizer adam_tf --adam_epsilon 1e-5 --track
+          --dataset_name toy/prompts --output_dir runs/ppo --max_completion_length 12 --optimizer adam_tf \
+          --adam_epsilon 1e-5
+      torchrun --nproc_per_node 8 ppo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
+          --reward_model_path runs/reward_qwen --dataset_name trl-lib/tldr --max_completion_length 53 \
+          --optimizer adam_tf --adam_epsilon 1e-5 --track
 """
 
 import collections
@@ -33,11 +36,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import tyro
 from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig, get_scheduler
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig,
+                          get_scheduler)
 
 from adam_tf import AdamTF
 
@@ -106,8 +111,8 @@ class Args:
     save_every: int = -1
     """write a resumable checkpoint every this many optimizer steps (-1: never)"""
     resume_from: Optional[str] = None
-    """a checkpoint folder (output_dir/checkpoints/step_N) to continue the same run from; auto: the latest complete one in
-    output_dir, if any (the same command then starts a run and continues it after a preemption)"""
+    """a checkpoint folder (output_dir/checkpoints/step_N) to continue the same run from; auto: the latest complete one
+    in output_dir, if any (the same command then starts a run and continues it after a preemption)"""
     keep_last: int = -1
     """keep only the newest N checkpoints (-1: all)"""
     skip_nonfinite: int = 0
@@ -124,7 +129,8 @@ class Args:
     world_size: Optional[int] = None
     """number of processes (computed)"""
     local_batch_size: Optional[int] = None
-    """completions per process per optimizer step = per_device_train_batch_size x gradient_accumulation_steps (computed)"""
+    """completions per process per optimizer step = per_device_train_batch_size x gradient_accumulation_steps
+    (computed)"""
     batch_size: Optional[int] = None
     """global mini-batch: completions per optimizer step = local_batch_size x world_size (computed)"""
     rollout_batch_size: Optional[int] = None
@@ -174,440 +180,6 @@ class Args:
     """clip range of the value prediction around the rollout's value"""
     vf_coef: float = 0.1
     """weight of the value loss in the total loss"""
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Shared helpers: pasted verbatim in every script that needs them (tests/test_consistency.py keeps them identical)
-# ---------------------------------------------------------------------------------------------------------------
-def init_distributed():
-    """torchrun sets RANK and WORLD_SIZE; plain `python script.py` is world size 1 on the same code path."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" in os.environ:
-        dist.init_process_group(backend)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def load_split(name, split):
-    """A split of a hub dataset, a local dataset folder, or a local file (a single file is the train split).
-    Returns None when there is no such split."""
-    if os.path.isfile(name):
-        builders = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}
-        extension = name.rsplit(".", 1)[-1]
-        if extension not in builders:
-            raise ValueError(f"dataset file {name!r}: unknown format .{extension}; give a .json, .jsonl, .parquet or .csv file, a folder of them, or a hub id")
-        return datasets.load_dataset(builders[extension], data_files=name, split="train") if split == "train" else None
-    if os.path.isfile(os.path.join(name, "dataset_dict.json")):  # a DatasetDict written by save_to_disk
-        dataset_dict = datasets.load_from_disk(name)
-        return dataset_dict[split] if split in dataset_dict else None
-    try:
-        return datasets.load_dataset(name, split=split)
-    except ValueError as e:
-        if "Unknown split" in str(e):
-            return None
-        raise
-    except FileNotFoundError as e:
-        raise ValueError(f"dataset {name!r} is neither a local file or folder of data files nor a dataset on the hub: {e}") from e
-
-
-def load_pretrained(auto_class, path, args, flag):
-    """auto_class.from_pretrained(path), stopping with a message that names the flag when `path` is not such a model or
-    tokenizer, or when the model lacks weights (a causal LM given as a reward model would get a random score head: HF only
-    warns). Code from the hub runs only with --trust_remote_code."""
-    model_kwargs = {} if auto_class is AutoTokenizer else {"dtype": torch.float32, "output_loading_info": True}
-    try:
-        loaded = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **model_kwargs)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{flag} {path!r} does not load with {auto_class.__name__}: {e}") from e
-    if auto_class is AutoTokenizer:
-        return loaded
-    model, info = loaded
-    if info["missing_keys"]:
-        raise ValueError(f"{flag} {path!r} has no weights for {sorted(info['missing_keys'])} as {type(model).__name__}: "
-                         "give a model of that kind (a reward model: the output folder of reward.py)")
-    return model
-
-
-def global_batch(step, num_rows, batch_size, seed):
-    """Row indices of global batch number `step` (of an optimizer step; of a rollout in RL scripts): the same on every
-    rank and a function of the step alone, so a resumed run sees the same data. Reshuffled every epoch; each epoch
-    leaves its remainder rows out."""
-    epoch, position = divmod(step, num_rows // batch_size)
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-    return order[position * batch_size : (position + 1) * batch_size].tolist()
-
-
-def rank_micro_batches(num_rows, rank, world_size, size):
-    """This rank's share of rows 0..num_rows-1 in micro-batches of `size`, as many on every rank because each forward
-    of an FSDP model is a collective: a rank that has run out gets row 0 with valid=False, to be ignored."""
-    share = list(range(rank, num_rows, world_size))
-    for start in range(0, math.ceil(num_rows / world_size), size):
-        rows = share[start : start + size]
-        yield (rows, True) if rows else ([0], False)
-
-
-
-
-def pad(sequences, value, side):
-    """Pad lists of ints to one width, on the left or the right; returns a LongTensor."""
-    width = max(len(s) for s in sequences)
-    fill = [[value] * (width - len(s)) for s in sequences]
-    return torch.tensor([f + s if side == "left" else s + f for s, f in zip(sequences, fill)], dtype=torch.long)
-
-
-def make_batch(prompts, completions, pad_token_id):
-    """[left-padded prompts | right-padded completions]. Masks come from lengths, never from pad_token_id, so the
-    completion's EOS stays in the loss when pad == eos. Returns input_ids, attention_mask, completion_mask."""
-    ones = [[1] * len(s) for s in prompts], [[1] * len(s) for s in completions]
-    input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
-    completion_mask = pad(ones[1], 0, "right")
-    return input_ids, torch.cat([pad(ones[0], 0, "left"), completion_mask], 1), completion_mask
-
-
-def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
-    """Log-probabilities of the last `completion_width` tokens, from logits / temperature; with_entropy: also the
-    entropy of each of those next-token distributions (detached: a statistic, not a loss term)."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                   logits_to_keep=completion_width + 1).logits[:, :-1]  # logits at t predict token t + 1
-    logits = logits.float() / temperature
-    labels = input_ids[:, -completion_width:]
-    # log_softmax at the label without materialising it over the vocabulary: logit - logsumexp
-    logsumexp = logits.logsumexp(-1)
-    logprobs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logsumexp
-    if not with_entropy:
-        return logprobs
-    with torch.no_grad():  # H = logsumexp - sum(p * logits)
-        return logprobs, logsumexp - (logits.softmax(-1) * logits).sum(-1)
-
-
-def shard_model(model, args, device):
-    """FSDP2: each decoder layer, then the root (embeddings, final norm, head). Gradients are summed over ranks,
-    not averaged: every loss here is already divided by a count taken over the whole global batch."""
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    bf16 = args.bf16 and device.type == "cuda"
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
-    layer_classes = set(model._no_split_modules or [])  # HF's name for the decoder layer classes
-    for module in model.modules():
-        if type(module).__name__ in layer_classes:
-            fully_shard(module, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy, reshard_after_forward=args.reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)  # the root keeps its own: it runs first in the backward
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
-    return model
-
-
-def make_optimizer(model, args):
-    if args.optimizer == "adam_tf":
-        return AdamTF(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
-    return torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon, weight_decay=args.weight_decay,
-                             fused=True)  # one kernel over all parameters (foreach over DTensors: 2-3x the time on CPU)
-
-
-STOP_SIGNALS = []  # signals received: request_stop appends, guard_step reads
-
-
-def request_stop(signum, frame):
-    """SIGTERM (preemption: torchrun forwards it to every process) or SIGINT (Ctrl-C) only raise a flag; the loop sees it
-    at the next optimizer step, saves a checkpoint and leaves. A second Ctrl-C stops at once."""
-    if signum == signal.SIGINT and STOP_SIGNALS:
-        raise KeyboardInterrupt
-    STOP_SIGNALS.append(signum)
-
-
-def guard_step(loss, grad_norm, step, args, skipped):
-    """Before optimizer.step(), one all-reduce: is this step's loss (this rank's part) or gradient norm NaN or inf
-    anywhere, and has any rank been asked to stop? Every rank gets the same answer and takes the same branch. A non-finite
-    step is not applied, up to --skip_nonfinite times (`skipped` lists them); past that the run stops with a message
-    naming the step, the metric and the last complete checkpoint. Returns (apply the update, stop now)."""
-    norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    flags = torch.stack([(~torch.isfinite(loss)).float(), (~torch.isfinite(norm)).float(), torch.tensor(float(bool(STOP_SIGNALS)), device=norm.device)])
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    bad_loss, bad_norm, stop = flags.tolist()
-    if not bad_loss and not bad_norm:
-        return True, stop > 0
-    what = " and ".join(name for name, bad in [("loss", bad_loss), ("grad_norm", bad_norm)] if bad)
-    skipped.append(step)
-    if len(skipped) <= args.skip_nonfinite:
-        if dist.get_rank() == 0:
-            print(f"step {step}: non-finite {what}: update skipped ({len(skipped)} of --skip_nonfinite {args.skip_nonfinite})")
-        return False, stop > 0
-    raise FloatingPointError(
-        f"step {step}: non-finite {what} (grad_norm {norm.item()}); the model was not updated with it. Last complete "
-        f"checkpoint: {(complete_checkpoints(args.output_dir) or ['none (see --save_every)'])[-1]}. Resume from it with a lower "
-        "--learning_rate or --max_grad_norm, check this step's data, or pass --skip_nonfinite N to skip up to N such steps")
-
-
-def leave_after_signal(checkpoint, rank):
-    """After the checkpoint a SIGTERM/SIGINT asked for: say how to continue, close the process group and exit with
-    128 + the signal, so that a job scheduler sees an interrupted run, not a finished one."""
-    signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # the signal may have reached another rank only
-    if rank == 0:
-        print(f"stopped by {signal.Signals(signum).name}: checkpoint {checkpoint}; the same command with --resume_from auto continues the run")
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.exit(128 + signum)
-
-
-def complete_checkpoint(path):
-    """The manifest (checkpoint.json) of a complete checkpoint folder, else None: the folder is named after its step,
-    and every file the manifest lists is there at its size (a folder still being written, truncated or copied in part
-    fails this)."""
-    try:
-        manifest = json.load(open(os.path.join(path, "checkpoint.json")))
-        sizes = all(os.path.getsize(os.path.join(path, name)) == size for name, size in manifest["files"].items())
-        return manifest if sizes and os.path.basename(os.path.normpath(path)) == f"step_{manifest['step']}" else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def complete_checkpoints(output_dir):
-    """The complete checkpoints of output_dir/checkpoints, oldest step first (--resume_from auto takes the last)."""
-    root = os.path.join(output_dir, "checkpoints")
-    found = [(manifest["step"], os.path.join(root, name)) for name in (os.listdir(root) if os.path.isdir(root) else [])
-             if (manifest := complete_checkpoint(os.path.join(root, name)))]
-    return [path for _, path in sorted(found)]
-
-
-def save_checkpoint(model, optimizer, scheduler, step, args, state):
-    """output_dir/checkpoints/step_N: model and optimizer tensors (torch.distributed.checkpoint, sharded), and per rank
-    the scheduler, the RNG states and `state` (the loop's own: skipped steps, the KL controller) in a weights_only file.
-    Written as step_N.tmp; when every rank is done, rank 0 lists each file with its size in checkpoint.json (with the
-    arguments) and renames the folder, so a crash while saving leaves the previous checkpoint the latest complete one.
-    --keep_last N then removes the older ones. Returns the folder."""
-    rank = dist.get_rank()
-    path = os.path.join(args.output_dir, "checkpoints", f"step_{step}")
-    if rank == 0:
-        shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # left by a crash
-    dist.barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=f"{path}.tmp")
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state}, f"{path}.tmp/rank{rank}.pt")
-    dist.barrier()
-    if rank == 0:
-        files = {name: os.path.getsize(os.path.join(f"{path}.tmp", name)) for name in os.listdir(f"{path}.tmp")}
-        with open(f"{path}.tmp/checkpoint.json", "w") as f:
-            json.dump({"step": step, "args": vars(args), "files": files}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        shutil.rmtree(path, ignore_errors=True)  # a run restarted into the same output_dir overwrites its old step
-        os.replace(f"{path}.tmp", path)
-        for old in complete_checkpoints(args.output_dir)[: -args.keep_last] if args.keep_last > 0 else []:
-            shutil.rmtree(old)
-    dist.barrier()
-    return path
-
-
-# arguments that may change when a run resumes: where it logs, how often, and how the same global batch is split
-RESUMABLE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "resume_from", "log_every", "eval_every", "save_every",
-             "keep_last", "skip_nonfinite", "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size",
-             "local_rollout_forward_batch_size", "cache_implementation", "gradient_checkpointing", "cpu_offload", "reshard_after_forward", "world_size", "local_batch_size"}
-
-
-class CheckpointReader(dcp.FileSystemReader):
-    """DCP's file reader, with its .metadata (a pickle) read through an allow-list: DCP's metadata classes, torch sizes,
-    dtypes and layouts, paths. Loading a checkpoint cannot run code planted in it; the tensors are raw bytes, and
-    save_checkpoint writes no pickled objects (the rest is in json and weights_only files)."""
-
-    def read_metadata(self, *args, **kwargs):
-        def allowed(module, name):
-            return (module == "torch.distributed.checkpoint.metadata" or (module, name) in {
-                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-                ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "Path")}
-                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
-
-        class Unpickler(pickle.Unpickler):
-            def find_class(self, module, name):
-                if not allowed(module, name):
-                    raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}: not a DCP metadata class")
-                return super().find_class(module, name)
-
-        with open(os.path.join(self.path, ".metadata"), "rb") as f:
-            metadata = Unpickler(f).load()
-        metadata.storage_meta = metadata.storage_meta or StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def load_checkpoint(path, model, optimizer, scheduler, args):
-    """Restore a checkpoint of save_checkpoint, after checking that it is complete and belongs to this run: every argument
-    outside RESUMABLE must match (model, data, seed, schedule, algorithm, the global batch). The number of processes may
-    change if the global batch stays the same (DCP reshards; the per-rank RNG streams then restart). Nothing is
-    unpickled. Returns the step and the loop's own state."""
-    manifest = complete_checkpoint(path)
-    if manifest is None:
-        raise ValueError(f"--resume_from {path!r} is not a complete checkpoint (a step_N folder whose checkpoint.json lists "
-                         f"files that are all there); --resume_from auto picks the latest complete one")
-    now = json.loads(json.dumps(vars(args)))
-    mismatched = [f"{name} {manifest['args'].get(name)!r} in the checkpoint, {value!r} now" for name, value in now.items()
-                  if name not in RESUMABLE and manifest["args"].get(name) != value]
-    if mismatched:
-        raise ValueError(f"checkpoint {path} does not match the arguments: {'; '.join(mismatched)}. Resume with the arguments "
-                         "it was written with (batch_size = processes x --per_device_train_batch_size x --gradient_accumulation_steps), "
-                         "or start a new run in another --output_dir")
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state["state"]}
-    dcp.load(state, storage_reader=CheckpointReader(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict={"state": state["optimizer"], "param_groups": optimizer_state["param_groups"]})
-    same_processes = manifest["args"]["world_size"] == args.world_size
-    extra = torch.load(os.path.join(path, f"rank{dist.get_rank() if same_processes else 0}.pt"), weights_only=True)
-    scheduler.load_state_dict(extra["scheduler"])
-    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-        group["lr"] = lr  # the learning rate of the next step (param_groups are not in the checkpoint)
-    if same_processes:
-        torch.set_rng_state(extra["rng"]["torch"])
-        random.setstate(extra["rng"]["python"])
-        if "cuda" in extra["rng"]:
-            torch.cuda.set_rng_state(extra["rng"]["cuda"])
-    elif dist.get_rank() == 0:
-        print(f"resuming on {args.world_size} processes a run of {manifest['args']['world_size']}: same weights, optimizer, "
-              "schedule and data order; the per-process random streams (dropout) restart")
-    return extra["step"], extra["state"]
-
-
-def save_hf_model(model, tokenizer, output_dir, rank):
-    """Gather the full weights on rank 0 (a collective: every rank calls this) and write a Hugging Face folder."""
-    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    first_name = {}  # tied parameters (input embeddings = head) come back as copies: keep the first name only
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if first_name.setdefault(id(param), name) != name:
-            state_dict.pop(name, None)
-    if rank == 0:
-        model.save_pretrained(output_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(output_dir)
-
-
-
-
-def disable_dropout(model):
-    """Dropout off: every dropout layer, and the attention dropout that HF models read from an attribute."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
-
-
-
-
-def last_token_index(attention_mask):
-    """Column of the last real token of each row, from the mask alone: right for left or right padding, and when
-    pad == eos (HF's sequence classification takes the last token != pad_token_id, which skips an EOS equal to pad)."""
-    return (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(1)
-
-
-def sequence_scores(model, input_ids, attention_mask):
-    """Reward-model score of each row at its last real token, plus the config's `score_bias` (reward.py
-    --normalize_reward; HF's decoder classification heads have no bias parameter to hold it). HF applies the head at
-    every position and pools by pad_token_id; a hook keeps the head's output for all positions and we index it."""
-    outputs = []
-    hook = model.score.register_forward_hook(lambda module, inputs, output: outputs.append(output))
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    hook.remove()
-    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    return outputs[0][rows, last_token_index(attention_mask), 0].float() + getattr(model.config, "score_bias", 0.0)
-
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# RL helpers (shared by ppo.py and grpo.py): prompts, and generation with the parameters gathered once per rollout
-# ---------------------------------------------------------------------------------------------------------------
-def tokenize_prompts(dataset, tokenizer, args, answer_column=None):
-    """Rows of `prompt` (a string, or a list of {"role", "content"} messages rendered with the chat template and its
-    generation prompt), plus an answer column for verifiers -> {"prompt": token ids, "answer": ...}. Empty and
-    over-long prompts are dropped and counted, never silently."""
-    columns = dataset.column_names
-    if "prompt" not in columns or (answer_column and answer_column not in columns):
-        raise ValueError(f"dataset {args.dataset_name!r} has columns {columns}, but needs a 'prompt' column (a string, or a "
-                         "list of {'role', 'content'} messages)" + (f" and an {answer_column!r} column for the verifier" if answer_column else ""))
-    answers = dataset[answer_column] if answer_column else [None] * len(dataset)
-    data, dropped = {"prompt": [], "answer": []}, {"empty prompt": 0, "prompt too long": 0}
-    for prompt, answer in zip(dataset["prompt"], answers):
-        if not prompt:
-            dropped["empty prompt"] += 1
-            continue
-        if isinstance(prompt, str):
-            ids = tokenizer(prompt)["input_ids"]
-        else:
-            ids = tokenizer(tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-        if len(ids) > args.max_prompt_length:
-            dropped["prompt too long"] += 1
-        else:
-            data["prompt"].append(ids)
-            data["answer"].append(answer)
-    return data, dropped
-
-
-@contextlib.contextmanager
-def unsharded(model, keep=False):
-    """Every FSDP2 parameter gathered once for the whole block: generation runs one forward per new token, and FSDP2
-    would otherwise all-gather every layer again for each one. No forward in the block is then a collective, so ranks
-    may generate different numbers of tokens. FSDP2's forward hooks are set aside meanwhile: with everything gathered
-    they have nothing to do, yet they ran at every module for every token (a third of a GRPO step on an H100,
-    bench/RESULTS.md) and would split a compiled graph. keep (--no-reshard_after_forward): still gathered after the
-    block, so the next forward needs no all-gather; the backward frees them."""
-    fsdp_modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    hooks = [(module._forward_pre_hooks, module._forward_hooks) for module in fsdp_modules]
-    for module in fsdp_modules:
-        module.unshard()
-        module.set_reshard_after_forward(False, recurse=False)
-        module._forward_pre_hooks, module._forward_hooks = collections.OrderedDict(), collections.OrderedDict()
-    try:
-        yield
-    finally:
-        for module, (pre_hooks, post_hooks) in zip(fsdp_modules, hooks):
-            module._forward_pre_hooks, module._forward_hooks = pre_hooks, post_hooks
-            if not keep:
-                module.set_reshard_after_forward(module is not model, recurse=False)  # as shard_model left it
-                module.reshard()
-
-
-@torch.no_grad()
-def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_id, pad_token_id, cache="dynamic"):
-    """One completion per prompt (lists of token ids) with HF generate: sampled from softmax(logits / temperature), or
-    greedy if temperature is None. Each completion is cut after its first EOS; one without EOS is truncated. cache:
-    --cache_implementation; static pads the prompts to a multiple of 64 tokens, so that widths share a compiled step."""
-    device = next(model.parameters()).device
-    input_ids, attention_mask = pad(prompts, pad_token_id, "left").to(device), pad([[1] * len(p) for p in prompts], 0, "left").to(device)
-    if cache == "static":
-        extra = -input_ids.shape[1] % 64
-        input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad_token_id)
-        attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0), value=0)
-    # Sample from exactly the distribution the log-probs are computed from: generate fills every option left unset
-    # from the model folder's generation_config (Qwen's sets top_k 20, top_p 0.8, repetition_penalty 1.05), and its
-    # global default top_k is 50, so swap in a blank config and turn top_k off.
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature is not None else {"do_sample": False}
-    config = GenerationConfig(**sampling, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                              cache_implementation=None if cache == "dynamic" else cache)
-    folder_config, model.generation_config, was_training = model.generation_config, GenerationConfig(), model.training
-    model.eval()  # gradient checkpointing acts in training mode only, and there it turns the KV cache off
-    try:  # position ids: generate derives them from the attention mask itself. synced_gpus: HF would all-reduce a
-        # "finished" flag after every token of an FSDP model; with the parameters gathered, ranks need not keep step
-        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config, synced_gpus=False)
-    finally:
-        model.generation_config = folder_config
-        model.train(was_training)
-    rows = output[:, input_ids.shape[1] :].tolist()
-    return [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
-
-
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# PPO helpers: values, rewards, GAE, whitening, the loss (kl_estimate is also in grpo.py)
-# ---------------------------------------------------------------------------------------------------------------
 def token_values(model, input_ids, attention_mask, completion_width):
     """The value model's V(s_t) for each of the last `completion_width` tokens: the head's output (plus the folder's
     score_bias, so a value model copied from a reward model starts as its score) at the position before token t, the
@@ -666,7 +238,8 @@ def token_rewards(scores, logps, ref_logps, mask, kl_coef, kl_estimator):
 
 def gae(rewards, values, mask, gamma, lam):
     """Generalized advantage estimation (arXiv:1506.02438) over right-padded completions: rewards and values past the
-    end are 0, so the last real token bootstraps from 0. Returns the advantages and the returns (advantages + values)."""
+    end are 0, so the last real token bootstraps from 0. Returns the advantages and the returns (advantages +
+    values)."""
     rewards, values = rewards * mask, values * mask
     advantages, last = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
@@ -696,257 +269,868 @@ def ppo_loss(logps, old_logps, values, old_values, advantages, returns, mask, no
     return loss, ratio, policy_loss, value_loss, policy_losses[1] > policy_losses[0], value_losses[1] > value_losses[0]
 
 
-if __name__ == "__main__":
-    # 1. args, distributed init, derived batch sizes
-    args = tyro.cli(Args)
-    rank, world_size, device = init_distributed()
-    signal.signal(signal.SIGTERM, request_stop)  # preemption: checkpoint at the end of the rollout's updates, then leave
-    signal.signal(signal.SIGINT, request_stop)
-    if args.resume_from == "auto":
-        args.resume_from = (complete_checkpoints(args.output_dir) or [None])[-1]  # None: nothing to continue, start at step 0
-    args.world_size = world_size
-    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    args.batch_size = args.local_batch_size * world_size
+@torch.no_grad()
+def evaluate(model, reward_model, test, stop_token_id, pad_token_id, args, rank):
+    """Mean reward-model score (missing-EOS penalty included) of greedy completions of the test prompts."""
+    device = next(model.parameters()).device
+    total = torch.zeros((), device=device)
+    with unsharded(model, keep=not args.reshard_after_forward):
+        for rows, valid in rank_micro_batches(len(test["prompt"]), rank, args.world_size,
+                                              args.per_device_eval_batch_size):
+            prompts = [test["prompt"][i] for i in rows]
+            completions = generate_completions(model, prompts, args.max_completion_length, None, stop_token_id,
+                                               pad_token_id, args.cache_implementation)
+            input_ids, attention_mask, _ = [t.to(device) for t in make_batch(prompts, completions, pad_token_id)]
+            scores = sequence_scores(reward_model, input_ids, attention_mask)
+            total += valid * penalised_scores(scores, completions, stop_token_id, args.missing_eos_penalty)[0].sum()
+    dist.all_reduce(total)
+    return {"eval/scores": total.item() / len(test["prompt"])}
+
+
+@torch.no_grad()
+def score_rollout(models, prompts, completions, pad_token_id, args, rank):
+    """The reward-model scores of a rollout's completions, and the policy's and the reference's log-probs and the
+    values of their tokens: each rank its share in micro-batches of local_rollout_forward_batch_size, summed over
+    ranks."""
+    n, width = len(prompts), args.max_completion_length
+    device = next(models["policy"].parameters()).device
+    scores = torch.zeros(n, device=device)
+    logps, ref_logps, values = (torch.zeros(n, width, device=device) for _ in range(3))
+    for rows, valid in rank_micro_batches(n, rank, args.world_size, args.local_rollout_forward_batch_size):
+        input_ids, attention_mask, completion_mask = batch_on(device, prompts, completions, rows, pad_token_id)
+        cols = completion_mask.shape[1]
+        scores[rows] += valid * sequence_scores(models["reward"], input_ids, attention_mask)
+        for table, name in ((logps, "policy"), (ref_logps, "ref")):
+            table[rows, :cols] += valid * completion_logprobs(models[name], input_ids, attention_mask, cols,
+                                                              args.temperature)
+        values[rows, :cols] += valid * token_values(models["value"], input_ids, attention_mask, cols)
+    for table in (scores, logps, ref_logps, values):
+        dist.all_reduce(table)
+    return scores, logps, ref_logps, values
+
+
+def accumulate_gradients(models, rollout, mini, args, rank, sums, extremes, pad_token_id):
+    """The gradients of one optimizer step: this rank's micro-batches of the global mini-batch `mini`, each loss
+    divided by the completion tokens of the whole mini-batch, so the split does not change the update. The statistics
+    (sums over the tokens in the loss) go into `sums`; the ratio's max and -min into `extremes`. Returns this rank's
+    part of the step's loss."""
+    device = next(models["policy"].parameters()).device
+    step_loss, normaliser = torch.zeros((), device=device), rollout["mask"][mini].sum()
+    for micro in micro_batches(mini, args, rank):
+        input_ids, attention_mask, completion_mask = batch_on(device, rollout["prompts"], rollout["completions"], micro,
+                                                              pad_token_id)
+        width = completion_mask.shape[1]
+        mask, old = rollout["mask"][micro, :width], rollout["logps"][micro, :width]
+        logps, entropy = completion_logprobs(models["policy"], input_ids, attention_mask, width, args.temperature,
+                                             with_entropy=True)
+        values = token_values(models["value"], input_ids, attention_mask, width)
+        old_values, advantages, returns = (rollout[name][micro, :width] for name in ("values", "advantages", "returns"))
+        loss, ratio, policy_loss, value_loss, clipped, value_clipped = ppo_loss(
+            logps, old, values, old_values, advantages, returns, mask, normaliser, args)
+        loss.backward()
+        step_loss += loss.detach()
+        with torch.no_grad():
+            token_stats = {"policy_loss": policy_loss, "value_loss": value_loss, "approxkl": 0.5 * (logps - old) ** 2,
+                           "clipfrac": clipped, "value_clipfrac": value_clipped, "ratio": ratio, "ratio_sq": ratio**2,
+                           "entropy": entropy}
+            for name, values in token_stats.items():
+                sums[name] += (values * mask).sum()
+            sums["loss"] += loss.detach()
+            sums["tokens"] += mask.sum()
+            sums["processed"] += attention_mask.sum()
+            in_loss = torch.stack([ratio, -ratio]).masked_fill(mask == 0, -math.inf).flatten(1).max(1).values
+            extremes.copy_(torch.maximum(extremes, in_loss))
+    return step_loss
+
+
+def main(args):
+    # 1. distributed init, computed batch sizes
+    rank, world_size, device = setup(args)
     args.rollout_batch_size = args.batch_size * args.num_mini_batches
-    mb = args.per_device_train_batch_size
-    steps_per_rollout = args.num_ppo_epochs * args.num_mini_batches
-    if args.save_every > 0 and args.save_every % steps_per_rollout:
-        raise ValueError(f"--save_every must be a multiple of num_ppo_epochs x num_mini_batches = {steps_per_rollout}: "
-                         "checkpoints are taken between rollouts")
+    N = args.rollout_batch_size
 
-    # 2. logging (rank 0), seeding
-    # TRY NOT TO MODIFY: seeding. Generation reseeds per chunk; the data order and mini-batches use their own generators.
-    random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    os.makedirs(args.output_dir, exist_ok=True)
-
-    # 3. data: every rank tokenises the same prompts, so each knows the whole rollout
-    tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"the tokenizer of {args.model_name_or_path} has no eos_token: completions could never end")
+    # 2. data: every rank tokenises the same prompts, so each knows the whole rollout
+    tokenizer, pad_token_id = load_tokenizer(args)
     stop_token_id = tokenizer.convert_tokens_to_ids(args.stop_token) if args.stop_token else tokenizer.eos_token_id
     if stop_token_id is None or stop_token_id == tokenizer.unk_token_id:
         raise ValueError(f"--stop_token {args.stop_token!r} is not one token of the tokenizer")
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train_dataset = load_split(args.dataset_name, args.dataset_train_split)
-    if train_dataset is None:
-        raise ValueError(f"dataset {args.dataset_name!r} has no split {args.dataset_train_split!r}")
-    train, dropped = tokenize_prompts(train_dataset, tokenizer, args)
-    eval_dataset = load_split(args.dataset_name, args.dataset_test_split)
-    test = tokenize_prompts(eval_dataset, tokenizer, args)[0] if eval_dataset else None
+    train, test, dropped = load_data(args, tokenizer, tokenize_prompts, rank)
     num_prompts = len(train["prompt"])
-    if rank == 0:
-        print(f"train: {num_prompts} of {len(train_dataset)} prompts kept; dropped: {dropped}")
-        print(f"eval: {len(test['prompt'])} prompts" if test else f"no split {args.dataset_test_split!r}: eval skipped")
-    rollouts_per_epoch = num_prompts // args.rollout_batch_size
-    if rollouts_per_epoch == 0:
-        raise ValueError(f"{num_prompts} training prompts cannot fill one rollout of {args.rollout_batch_size} prompts; dropped: {dropped}. Lower the batch sizes or the number of processes, use more data, or raise --max_prompt_length if the prompts were dropped as too long")
-    if args.max_steps > 0 and args.max_steps % steps_per_rollout:
-        raise ValueError(f"--max_steps must be a multiple of num_ppo_epochs x num_mini_batches = {steps_per_rollout} (optimizer steps per rollout)")
-    num_rollouts = args.max_steps // steps_per_rollout if args.max_steps > 0 else args.num_train_epochs * rollouts_per_epoch
-    args.num_training_steps = num_rollouts * steps_per_rollout
-    if rank == 0:
-        print(f"{num_rollouts} rollouts of {args.rollout_batch_size} prompts, each {args.num_ppo_epochs} epochs x {args.num_mini_batches} "
-              f"mini-batches of {args.batch_size} completions ({world_size} processes x {mb} per micro-batch x "
-              f"{args.gradient_accumulation_steps} accumulation) = {args.num_training_steps} optimizer steps")
+    num_rollouts, steps_per_rollout = rollouts_of(num_prompts, 1, "num_ppo_epochs", args, dropped, rank)
 
-    # 4. models + FSDP2: the policy and the value model (trained), then the frozen reference and reward model
-    if load_pretrained(AutoTokenizer, args.reward_model_path, args, "--reward_model_path").get_vocab() != tokenizer.get_vocab():
-        raise ValueError(f"the reward model {args.reward_model_path} has another tokenizer than the policy: this script feeds it the policy's token ids")
-    models = {}
-    value_flag = "--value_model_path" if args.value_model_path else "--reward_model_path"
-    for name, flag, model_class in [("policy", "--model_name_or_path", AutoModelForCausalLM), ("value", value_flag, AutoModelForSequenceClassification),
-                                    ("ref", "--model_name_or_path", AutoModelForCausalLM), ("reward", "--reward_model_path", AutoModelForSequenceClassification)]:
-        models[name] = load_pretrained(model_class, getattr(args, flag[2:]), args, flag)
-        disable_dropout(models[name])  # log-probs and values of the same tokens must not change between rollout and update
-        if name in ("ref", "reward"):
-            models[name].requires_grad_(False).eval()
-        elif args.gradient_checkpointing:
-            models[name].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        models[name] = shard_model(models[name], args, device)
-    model, value_model, ref_model, reward_model = models["policy"], models["value"], models["ref"], models["reward"]
-    trained = torch.nn.ModuleDict({"policy": model, "value": value_model})  # one optimizer and one checkpoint for both
+    # 3. models + FSDP2: the policy and the value model (trained), then the frozen reference and reward model
+    value_path, value_flag = ((args.value_model_path, "--value_model_path") if args.value_model_path
+                              else (args.reward_model_path, "--reward_model_path"))
+    policy_path, policy_flag = args.model_name_or_path, "--model_name_or_path"
+    models = {"policy": load_trained(AutoModelForCausalLM, policy_path, args, policy_flag, device),
+              "value": load_trained(AutoModelForSequenceClassification, value_path, args, value_flag, device),
+              "ref": load_frozen(AutoModelForCausalLM, policy_path, args, policy_flag, device),
+              "reward": load_reward_model(args, tokenizer, device)}
+    model = models["policy"]
+    trained = torch.nn.ModuleDict({"policy": model, "value": models["value"]})  # one optimizer, one checkpoint
 
-    # 5. optimizer + lr schedule: the total is fixed now, and the scheduler steps once per optimizer step
-    optimizer = make_optimizer(trained, args)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * args.num_training_steps),
-                              num_training_steps=args.num_training_steps)
-    start_step, loop_state = load_checkpoint(args.resume_from, trained, optimizer, scheduler, args) if args.resume_from else (0, {"skipped": [], "kl_coef": args.kl_coef})
-    skipped = loop_state["skipped"]  # steps whose update was skipped as non-finite (--skip_nonfinite)
-    kl_coef = loop_state["kl_coef"]  # the adaptive controller's value for the next rollout
+    # 4. optimizer and LR schedule, its total fixed now (or both restored by --resume_from, with the KL controller)
+    optimizer, scheduler, start_step, state = make_optimizer(trained, args)
+    state.setdefault("kl_coef", args.kl_coef)  # the adaptive controller's value for the next rollout
+    metrics_path = open_metrics(args, start_step, rank)
 
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if rank == 0:
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name, save_code=True)
-        # a resumed run continues the same file: rows logged after the checkpoint are replaced
-        old_rows = [json.loads(line) for line in open(metrics_path)] if start_step > 0 and os.path.exists(metrics_path) else []
-        with open(metrics_path, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in old_rows if row["step"] <= start_step)
-
-    @torch.no_grad()
-    def evaluate():
-        """Mean reward-model score (missing-EOS penalty included) of greedy completions of the test prompts."""
-        total = torch.zeros((), device=device)
-        with unsharded(model, keep=not args.reshard_after_forward):
-            for rows, valid in rank_micro_batches(len(test["prompt"]), rank, world_size, args.per_device_eval_batch_size):
-                prompts = [test["prompt"][i] for i in rows]
-                completions = generate_completions(model, prompts, args.max_completion_length, None, stop_token_id, pad_token_id,
-                                                   args.cache_implementation)
-                input_ids, attention_mask, _ = [t.to(device) for t in make_batch(prompts, completions, pad_token_id)]
-                scores = penalised_scores(sequence_scores(reward_model, input_ids, attention_mask), completions, stop_token_id, args.missing_eos_penalty)[0]
-                total += valid * scores.sum()
-        dist.all_reduce(total)
-        return {"eval/scores": total.item() / len(test["prompt"])}
-
-    # 6. training loop: a rollout, then num_ppo_epochs x num_mini_batches optimizer steps on it
-    N, C, S = args.rollout_batch_size, args.max_completion_length, args.local_rollout_forward_batch_size
+    # 5. training loop: a rollout, then num_ppo_epochs x num_mini_batches optimizer steps on it
     trained.train()
-    # what each rank sums over the micro-batches between two logs (one all-reduce at logging)
-    WINDOW = ["loss", "tokens", "processed", "seconds", "policy_loss", "value_loss", "approxkl", "clipfrac", "value_clipfrac",
-              "ratio", "ratio_sq", "entropy"]
     progress = tqdm(total=args.num_training_steps, initial=start_step, disable=rank != 0, desc="ppo")
-    stop = False
-    window_start, window, window_steps = time.time(), torch.zeros(len(WINDOW), device=device), 0
-    ratio_max, ratio_min = torch.full((), -math.inf, device=device), torch.full((), math.inf, device=device)
-    for rollout in range(start_step // steps_per_rollout, num_rollouts):
+    stop = False  # a SIGTERM/SIGINT seen at an optimizer step (a resumed run may have no step left)
+    sums, window_steps, window_start = collections.defaultdict(lambda: torch.zeros((), device=device)), 0, time.time()
+    extremes = torch.full((2,), -math.inf, device=device)  # the ratio's max and -min over the window's loss tokens
+    for rollout_index in range(start_step // steps_per_rollout, num_rollouts):
         rollout_start = time.time()
         # ALGO LOGIC: 1. the rollout's prompts
-        prompts = [train["prompt"][row] for row in global_batch(rollout, num_prompts, N, args.seed)]
+        prompts = [train["prompt"][row] for row in global_batch(rollout_index, num_prompts, N, args.seed)]
 
-        # 2. sample the completions, parameters gathered once: chunks of S rows, round-robin over the ranks, each
-        # seeded by (seed, rollout, chunk), so the samples do not depend on the number of processes; the sum over ranks
-        # of the zero-initialised tables then gives every rank the whole rollout
-        completion_ids = torch.zeros(N, C, dtype=torch.long, device=device)
-        lengths = torch.zeros(N, dtype=torch.long, device=device)
-        with unsharded(model, keep=not args.reshard_after_forward):
-            for chunk, start in enumerate(range(0, N, S)):
-                if chunk % world_size == rank:
-                    torch.manual_seed((args.seed * 100_003 + rollout) * 100_003 + chunk)
-                    chunk_completions = generate_completions(model, prompts[start : start + S], C, args.temperature, stop_token_id, pad_token_id,
-                                                             args.cache_implementation)
-                    for i, completion in enumerate(chunk_completions, start):
-                        completion_ids[i, : len(completion)] = torch.tensor(completion)
-                        lengths[i] = len(completion)
-        dist.all_reduce(completion_ids)
-        dist.all_reduce(lengths)
-        completions = [completion_ids[i, :length].tolist() for i, length in enumerate(lengths.tolist())]
+        # 2. sample the completions (seeded by rollout and chunk, the parameters gathered once: sample_rollout)
+        completions, lengths = sample_rollout(model, prompts, args, rollout_index, rank, stop_token_id, pad_token_id,
+                                              device)
 
-        # 3. scores, the policy's and the reference's log-probs and the values of the sampled tokens, each rank its
-        # share, summed over ranks
-        scores = torch.zeros(N, device=device)
-        logps, ref_logps, values = (torch.zeros(N, C, device=device) for _ in range(3))
-        with torch.no_grad():
-            for rows, valid in rank_micro_batches(N, rank, world_size, S):
-                input_ids, attention_mask, completion_mask = [t.to(device) for t in make_batch([prompts[i] for i in rows], [completions[i] for i in rows], pad_token_id)]
-                width = completion_mask.shape[1]
-                scores[rows] += valid * sequence_scores(reward_model, input_ids, attention_mask)
-                logps[rows, :width] += valid * completion_logprobs(model, input_ids, attention_mask, width, args.temperature)
-                ref_logps[rows, :width] += valid * completion_logprobs(ref_model, input_ids, attention_mask, width, args.temperature)
-                values[rows, :width] += valid * token_values(value_model, input_ids, attention_mask, width)
-        for table in (scores, logps, ref_logps, values):
-            dist.all_reduce(table)
+        # 3. scores, the policy's and the reference's log-probs and the values of the sampled tokens
+        scores, logps, ref_logps, values = score_rollout(models, prompts, completions, pad_token_id, args, rank)
 
         # 4. rewards: the KL penalty at every token, the (penalised) score at the last one; GAE; whitened advantages
-        mask = (torch.arange(C, device=device) < lengths[:, None]).float()
+        mask = (torch.arange(args.max_completion_length, device=device) < lengths[:, None]).float()
         scores, ended = penalised_scores(scores, completions, stop_token_id, args.missing_eos_penalty)
-        rewards, kl = token_rewards(scores, logps, ref_logps, mask, kl_coef, args.kl_estimator)
+        rewards, kl = token_rewards(scores, logps, ref_logps, mask, state["kl_coef"], args.kl_estimator)
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False)
         advantages, returns = gae(rewards, values, mask, args.gamma, args.lam)
         advantages = masked_whiten(advantages, mask)
-        kl_k3 = (kl_estimate(logps, ref_logps, logps, "k3") * mask).sum(1).mean().item()
-        rollout_stats = {"objective/scores": scores.mean().item(), "objective/kl": kl_k3, "objective/kl_coef": kl_coef,
-                         "objective/non_score_reward": (-kl_coef * kl).sum(1).mean().item(), "completions/mean_length": lengths.float().mean().item(),
+        rollout = {"prompts": prompts, "completions": completions, "mask": mask, "logps": logps, "values": values,
+                   "advantages": advantages, "returns": returns}
+        non_score_reward = (-state["kl_coef"] * kl).sum(1).mean().item()
+        rollout_stats = {"objective/scores": scores.mean().item(), "objective/kl_coef": state["kl_coef"],
+                         "objective/kl": (kl_estimate(logps, ref_logps, logps, "k3") * mask).sum(1).mean().item(),
+                         "objective/non_score_reward": non_score_reward,
+                         "objective/rlhf_reward": scores.mean().item() + non_score_reward,
+                         "completions/mean_length": lengths.float().mean().item(),
                          "val/num_eos_tokens": ended.sum().item(), "time/rollout": time.time() - rollout_start}
-        rollout_stats["objective/rlhf_reward"] = rollout_stats["objective/scores"] + rollout_stats["objective/non_score_reward"]
-        samples = [[tokenizer.decode(prompts[i]), tokenizer.decode(completions[i]), scores[i].item()] for i in range(min(4, N))]
+        samples = [["prompt", "completion", "score"]]
+        samples += [[tokenizer.decode(prompts[i]), tokenizer.decode(completions[i]), scores[i].item()]
+                    for i in range(min(4, N))]
         if args.kl_target is not None:  # for the next rollout
-            kl_coef = adapt_kl_coef(kl_coef, kl.sum(1).mean().item(), N, args)
+            state["kl_coef"] = adapt_kl_coef(state["kl_coef"], kl.sum(1).mean().item(), N, args)
 
         # 5. num_ppo_epochs passes over the rollout, each in num_mini_batches optimizer steps
-        for epoch in range(args.num_ppo_epochs):
-            order = torch.randperm(N, generator=torch.Generator().manual_seed((args.seed * 100_003 + rollout) * 100_003 + epoch)).tolist()
-            for mini_batch in range(args.num_mini_batches):
-                update_start = time.time()
-                mini = order[mini_batch * args.batch_size : (mini_batch + 1) * args.batch_size]
-                step_loss = torch.zeros((), device=device)  # this rank's part of the step's loss
-                normaliser = mask[mini].sum()  # the completion tokens of the whole global mini-batch
-                for micro_step in range(args.gradient_accumulation_steps):
-                    start = (micro_step * world_size + rank) * mb
-                    micro = mini[start : start + mb]
-                    input_ids, attention_mask, completion_mask = [t.to(device) for t in make_batch([prompts[i] for i in micro], [completions[i] for i in micro], pad_token_id)]
-                    width = completion_mask.shape[1]
-                    micro_mask, old = mask[micro, :width], logps[micro, :width]
-                    new_logps, entropy = completion_logprobs(model, input_ids, attention_mask, width, args.temperature, with_entropy=True)
-                    new_values = token_values(value_model, input_ids, attention_mask, width)
-                    loss, ratio, policy_loss, value_loss, clipped, value_clipped = ppo_loss(
-                        new_logps, old, new_values, values[micro, :width], advantages[micro, :width], returns[micro, :width], micro_mask, normaliser, args)
-                    loss.backward()
-                    step_loss += loss.detach()
-                    with torch.no_grad():  # statistics: sums over the tokens in the loss, divided when logged
-                        token_stats = [policy_loss, value_loss, 0.5 * (new_logps - old) ** 2, clipped, value_clipped, ratio, ratio**2, entropy]
-                        window += torch.stack([loss.detach(), micro_mask.sum(), attention_mask.sum(), torch.zeros((), device=device)]
-                                              + [(x * micro_mask).sum() for x in token_stats])
-                        ratio_max = torch.maximum(ratio_max, ratio.masked_fill(micro_mask == 0, -math.inf).max())
-                        ratio_min = torch.minimum(ratio_min, ratio.masked_fill(micro_mask == 0, math.inf).min())
-                grad_norm = torch.nn.utils.clip_grad_norm_(trained.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
-                done = rollout * steps_per_rollout + epoch * args.num_mini_batches + mini_batch + 1
-                update, stop = guard_step(step_loss, grad_norm, done, args, skipped)
-                if update:
-                    optimizer.step()
-                lr = scheduler.get_last_lr()[0]  # the learning rate this step used
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                progress.update(1)
-                window[WINDOW.index("seconds")] += time.time() - update_start  # this rank's seconds in updates
-                window_steps += 1
+        for k, mini in enumerate(rollout_mini_batches(rollout_index, args.num_ppo_epochs, args)):
+            update_start = time.time()
+            step_loss = accumulate_gradients(models, rollout, mini, args, rank, sums, extremes, pad_token_id)
+            done = rollout_index * steps_per_rollout + k + 1
+            lr, grad_norm, stop = optimizer_step(trained, optimizer, scheduler, step_loss, done, args, state["skipped"])
+            progress.update(1)
+            sums["seconds"] += time.time() - update_start  # this rank's seconds in updates
+            window_steps += 1
 
-                eval_now = done == args.num_training_steps or (args.eval_every > 0 and done % args.eval_every == 0)
-                if done % args.log_every == 0 or done == args.num_training_steps or eval_now:
-                    dist.all_reduce(window)
-                    dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
-                    dist.all_reduce(ratio_min, op=dist.ReduceOp.MIN)
-                    w = dict(zip(WINDOW, window.tolist()))
-                    tokens = max(w["tokens"], 1.0)
-                    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-                    metrics = {"step": done, "episode": (rollout + 1) * N, "lr": lr, "loss": w["loss"] / window_steps, "grad_norm": grad_norm.item(),
-                               "tokens_per_second": w["processed"] / (time.time() - window_start), **rollout_stats,
-                               "time/update": w["seconds"] / world_size / window_steps, "objective/entropy": w["entropy"] / tokens,
-                               "policy/approxkl_avg": w["approxkl"] / tokens, "policy/clipfrac_avg": w["clipfrac"] / tokens,
-                               "loss/policy_avg": w["policy_loss"] / tokens, "loss/value_avg": w["value_loss"] / tokens,
-                               "val/clipfrac_avg": w["value_clipfrac"] / tokens, "val/ratio": w["ratio"] / tokens,
-                               "val/ratio_var": w["ratio_sq"] / tokens - (w["ratio"] / tokens) ** 2, "val/ratio_max": ratio_max.item(), "val/ratio_min": ratio_min.item()}
-                    if eval_now and test and test["prompt"]:
-                        metrics.update(evaluate())
-                    if rank == 0:
-                        progress.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-                        progress.write("\n".join(f"  score {s:+.3f} | {p!r} -> {c!r}" for p, c, s in samples))
-                        with open(metrics_path, "a") as f:
-                            f.write(json.dumps(metrics) + "\n")
-                        if args.track:
-                            wandb.log({**metrics, "samples": wandb.Table(columns=["prompt", "completion", "score"], data=samples)}, step=done)
-                    window_start, window, window_steps = time.time(), torch.zeros(len(WINDOW), device=device), 0
-                    ratio_max, ratio_min = torch.full((), -math.inf, device=device), torch.full((), math.inf, device=device)
-                if (args.save_every > 0 and done % args.save_every == 0) or (stop and done % steps_per_rollout == 0):
-                    checkpoint = save_checkpoint(trained, optimizer, scheduler, done, args, {"skipped": skipped, "kl_coef": kl_coef})
+            if is_due(done, args.log_every, args) or is_due(done, args.eval_every, args):
+                w = reduce_sums(sums)
+                dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+                tokens = max(w["tokens"], 1.0)
+                metrics = {"step": done, "episode": (rollout_index + 1) * N, "lr": lr, "loss": w["loss"] / window_steps,
+                           "grad_norm": grad_norm.item(), **rollout_stats,
+                           "tokens_per_second": w["processed"] / (time.time() - window_start),
+                           "time/update": w["seconds"] / world_size / window_steps,
+                           "objective/entropy": w["entropy"] / tokens, "policy/approxkl_avg": w["approxkl"] / tokens,
+                           "policy/clipfrac_avg": w["clipfrac"] / tokens, "loss/policy_avg": w["policy_loss"] / tokens,
+                           "loss/value_avg": w["value_loss"] / tokens, "val/clipfrac_avg": w["value_clipfrac"] / tokens,
+                           "val/ratio": w["ratio"] / tokens,
+                           "val/ratio_var": w["ratio_sq"] / tokens - (w["ratio"] / tokens) ** 2,
+                           "val/ratio_max": extremes[0].item(), "val/ratio_min": -extremes[1].item()}
+                if is_due(done, args.eval_every, args) and test and test["prompt"]:
+                    metrics.update(evaluate(model, models["reward"], test, stop_token_id, pad_token_id, args, rank))
+                log_metrics(metrics, metrics_path, args, progress, rank, samples)
+                sums, window_steps, window_start = collections.defaultdict(sums.default_factory), 0, time.time()
+                extremes.fill_(-math.inf)
+            if (args.save_every > 0 and done % args.save_every == 0) or (stop and done % steps_per_rollout == 0):
+                checkpoint = save_checkpoint(trained, optimizer, scheduler, done, args, state)
         if stop:  # the signal was seen during this rollout; its checkpoint is written
             break
     progress.close()
     if stop:
         leave_after_signal(checkpoint, rank)
 
-    # 7. save + cleanup: the policy (the value model is a training aid)
+    # 6. save the policy's Hugging Face folder (the value model is a training aid); report the peak memory
+    finish(model, tokenizer, args, device, rank)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Infrastructure: identical in every script that has it (tests/test_consistency.py). Skip it on a first read.
+# ---------------------------------------------------------------------------------------------------------------------
+def setup(args):
+    """Distributed init (torchrun sets RANK and WORLD_SIZE; `python script.py` is world size 1 on the same code path),
+    SIGTERM/SIGINT handlers, --resume_from auto, the computed batch sizes, the seeds and the output folder. Returns
+    rank, world size, device. TRY NOT TO MODIFY: each rank seeds its own stream (dropout); the data order and the
+    sampling use generators of their own, seeded by step."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    signal.signal(signal.SIGTERM, request_stop)  # preemption: checkpoint at the next optimizer step, then leave
+    signal.signal(signal.SIGINT, request_stop)
+    if args.resume_from == "auto":  # the latest complete checkpoint; None: nothing to continue, start at step 0
+        args.resume_from = (complete_checkpoints(args.output_dir) or [None])[-1]
+    args.world_size = world_size
+    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    args.batch_size = args.local_batch_size * world_size
+    random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    os.makedirs(args.output_dir, exist_ok=True)
+    return rank, world_size, device
+
+
+def load_split(name, split):
+    """A split of a hub dataset, a local dataset folder, or a local file (a single file is the train split).
+    Returns None when there is no such split."""
+    if os.path.isfile(name):
+        builders = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}
+        extension = name.rsplit(".", 1)[-1]
+        if extension not in builders:
+            raise ValueError(f"dataset file {name!r}: unknown format .{extension}; give a .json, .jsonl, .parquet or "
+                             ".csv file, a folder of them, or a hub id")
+        return datasets.load_dataset(builders[extension], data_files=name, split="train") if split == "train" else None
+    if os.path.isfile(os.path.join(name, "dataset_dict.json")):  # a DatasetDict written by save_to_disk
+        dataset_dict = datasets.load_from_disk(name)
+        return dataset_dict[split] if split in dataset_dict else None
+    try:
+        return datasets.load_dataset(name, split=split)
+    except ValueError as e:
+        if "Unknown split" in str(e):
+            return None
+        raise
+    except FileNotFoundError as e:
+        raise ValueError(f"dataset {name!r} is neither a local file or folder of data files nor a dataset on the hub: "
+                         f"{e}") from e
+
+
+def load_pretrained(auto_class, path, args, flag):
+    """auto_class.from_pretrained(path), stopping with a message that names the flag when `path` is not such a model
+    or tokenizer, or when the model lacks weights (a causal LM given as a reward model would get a random score head:
+    HF only warns). Code from the hub runs only with --trust_remote_code."""
+    model_kwargs = {} if auto_class is AutoTokenizer else {"dtype": torch.float32, "output_loading_info": True}
+    try:
+        loaded = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **model_kwargs)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag} {path!r} does not load with {auto_class.__name__}: {e}") from e
+    if auto_class is AutoTokenizer:
+        return loaded
+    model, info = loaded
+    if info["missing_keys"]:
+        raise ValueError(f"{flag} {path!r} has no weights for {sorted(info['missing_keys'])} as "
+                         f"{type(model).__name__}: give a model of that kind (a reward model: the output folder of "
+                         "reward.py)")
+    return model
+
+
+def load_tokenizer(args):
+    """The tokenizer of --model_name_or_path and the pad token id (its EOS when it has no pad token)."""
+    tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer of {args.model_name_or_path} has no eos_token: completions could never end")
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return tokenizer, pad_token_id
+
+
+def load_data(args, tokenizer, tokenize, rank):
+    """The train and test splits of --dataset_name through tokenize(dataset, tokenizer, args) -> (columns, dropped).
+    Every rank holds all of it, so each knows the whole global batch. Returns train, test (None: no such split) and
+    the train split's dropped rows by reason."""
+    train_dataset = load_split(args.dataset_name, args.dataset_train_split)
+    if train_dataset is None:
+        raise ValueError(f"dataset {args.dataset_name!r} has no split {args.dataset_train_split!r}")
+    train, dropped = tokenize(train_dataset, tokenizer, args)
+    eval_dataset = load_split(args.dataset_name, args.dataset_test_split)
+    test = tokenize(eval_dataset, tokenizer, args)[0] if eval_dataset else None
+    if rank == 0:
+        print(f"train: {len(train['prompt'])} of {len(train_dataset)} rows kept; dropped: {dropped}")
+        print(f"eval: {len(test['prompt'])} rows" if test else f"no split {args.dataset_test_split!r}: eval skipped")
+    return train, test, dropped
+
+
+def tokenize_prompts(dataset, tokenizer, args, answer_column=None):
+    """Rows of `prompt` (a string, or a list of {"role", "content"} messages rendered with the chat template and its
+    generation prompt), plus an answer column for verifiers -> {"prompt": token ids, "answer": ...}. Empty and
+    over-long prompts are dropped and counted, never silently."""
+    columns = dataset.column_names
+    if "prompt" not in columns or (answer_column and answer_column not in columns):
+        answer = f" and an {answer_column!r} column for the verifier" if answer_column else ""
+        raise ValueError(f"dataset {args.dataset_name!r} has columns {columns}, but needs a 'prompt' column (a "
+                         f"string, or a list of {{'role', 'content'}} messages){answer}")
+    answers = dataset[answer_column] if answer_column else [None] * len(dataset)
+    data, dropped = {"prompt": [], "answer": []}, {"empty prompt": 0, "prompt too long": 0}
+    for prompt, answer in zip(dataset["prompt"], answers):
+        if not prompt:
+            dropped["empty prompt"] += 1
+            continue
+        if isinstance(prompt, str):
+            ids = tokenizer(prompt)["input_ids"]
+        else:  # the template writes the special tokens itself
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > args.max_prompt_length:
+            dropped["prompt too long"] += 1
+        else:
+            data["prompt"].append(ids)
+            data["answer"].append(answer)
+    return data, dropped
+
+
+def rollouts_of(num_prompts, generations, passes, args, dropped, rank):
+    """The rollouts of an RL run: --max_steps, or --num_train_epochs passes over the prompts. A rollout samples
+    `generations` completions for each of its prompts (rollout_batch_size completions), then makes `passes`
+    (num_iterations, num_ppo_epochs) x num_mini_batches optimizer steps on them. Sets num_training_steps; returns the
+    number of rollouts and the optimizer steps per rollout."""
+    steps_per_rollout = getattr(args, passes) * args.num_mini_batches
+    for flag, value in (("--max_steps", args.max_steps), ("--save_every", args.save_every)):
+        if value > 0 and value % steps_per_rollout:
+            raise ValueError(f"{flag} must be a multiple of {passes} x num_mini_batches = {steps_per_rollout}, the "
+                             "optimizer steps of a rollout (checkpoints are taken between rollouts)")
+    prompts_per_rollout = args.rollout_batch_size // generations
+    if num_prompts // prompts_per_rollout == 0:
+        raise ValueError(f"{num_prompts} training prompts cannot fill one rollout of {prompts_per_rollout} prompts; "
+                         f"dropped: {dropped}. Lower the batch sizes or the number of processes, use more data, or "
+                         "raise --max_prompt_length if the prompts were dropped as too long")
+    epochs = args.num_train_epochs * (num_prompts // prompts_per_rollout)
+    num_rollouts = args.max_steps // steps_per_rollout if args.max_steps > 0 else epochs
+    args.num_training_steps = num_rollouts * steps_per_rollout
+    if rank == 0:
+        groups = f" x {generations} generations = {args.rollout_batch_size} completions" if generations > 1 else ""
+        print(f"{num_rollouts} rollouts of {prompts_per_rollout} prompts{groups}, each {getattr(args, passes)} "
+              f"{passes.split('_')[-1]} x {args.num_mini_batches} mini-batches of {args.batch_size} completions "
+              f"({args.world_size} processes x {args.per_device_train_batch_size} per micro-batch x "
+              f"{args.gradient_accumulation_steps} accumulation) = {args.num_training_steps} optimizer steps")
+    return num_rollouts, steps_per_rollout
+
+
+def global_batch(step, num_rows, batch_size, seed):
+    """Row indices of global batch number `step` (of an optimizer step; of a rollout in RL scripts): the same on every
+    rank and a function of the step alone, so a resumed run sees the same data. Reshuffled every epoch; each epoch
+    leaves its remainder rows out."""
+    epoch, position = divmod(step, num_rows // batch_size)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return order[position * batch_size : (position + 1) * batch_size].tolist()
+
+
+def micro_batches(batch, args, rank):
+    """This rank's micro-batches of a global batch: gradient_accumulation_steps of per_device_train_batch_size rows,
+    the k-th starting at row (k x world_size + rank) x size, so that every split reads the same global batch."""
+    size = args.per_device_train_batch_size
+    for k in range(args.gradient_accumulation_steps):
+        start = (k * args.world_size + rank) * size
+        yield batch[start : start + size]
+
+
+def rank_micro_batches(num_rows, rank, world_size, size):
+    """This rank's share of rows 0..num_rows-1 in micro-batches of `size`, as many on every rank because each forward
+    of an FSDP model is a collective: a rank that has run out gets row 0 with valid=False, to be ignored."""
+    share = list(range(rank, num_rows, world_size))
+    for start in range(0, math.ceil(num_rows / world_size), size):
+        rows = share[start : start + size]
+        yield (rows, True) if rows else ([0], False)
+
+
+def pad(sequences, value, side):
+    """Pad lists of ints to one width, on the left or the right; returns a LongTensor."""
+    width = max(len(s) for s in sequences)
+    fill = [[value] * (width - len(s)) for s in sequences]
+    return torch.tensor([f + s if side == "left" else s + f for s, f in zip(sequences, fill)], dtype=torch.long)
+
+
+def make_batch(prompts, completions, pad_token_id):
+    """[left-padded prompts | right-padded completions]. Masks come from lengths, never from pad_token_id, so the
+    completion's EOS stays in the loss when pad == eos. Returns input_ids, attention_mask, completion_mask."""
+    ones = [[1] * len(s) for s in prompts], [[1] * len(s) for s in completions]
+    input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
+    completion_mask = pad(ones[1], 0, "right")
+    return input_ids, torch.cat([pad(ones[0], 0, "left"), completion_mask], 1), completion_mask
+
+
+def batch_on(device, prompts, completions, rows, pad_token_id):
+    """make_batch of the given rows, on the device."""
+    batch = make_batch([prompts[i] for i in rows], [completions[i] for i in rows], pad_token_id)
+    return [t.to(device) for t in batch]
+
+
+def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
+    """Log-probabilities of the last `completion_width` tokens, from logits / temperature; with_entropy: also the
+    entropy of each of those next-token distributions (detached: a statistic, not a loss term)."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                   logits_to_keep=completion_width + 1).logits[:, :-1]  # logits at t predict token t + 1
+    logits = logits.float() / temperature
+    labels = input_ids[:, -completion_width:]
+    # log_softmax at the label without materialising it over the vocabulary: logit - logsumexp
+    logsumexp = logits.logsumexp(-1)
+    logprobs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logsumexp
+    if not with_entropy:
+        return logprobs
+    with torch.no_grad():  # H = logsumexp - sum(p * logits)
+        return logprobs, logsumexp - (logits.softmax(-1) * logits).sum(-1)
+
+
+def last_token_index(attention_mask):
+    """Column of the last real token of each row, from the mask alone: right for left or right padding, and when
+    pad == eos (HF's sequence classification takes the last token != pad_token_id, which skips an EOS equal to pad)."""
+    return (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(1)
+
+
+def sequence_scores(model, input_ids, attention_mask):
+    """Reward-model score of each row at its last real token, plus the config's `score_bias` (reward.py
+    --normalize_reward; HF's decoder classification heads have no bias parameter to hold it). HF applies the head at
+    every position and pools by pad_token_id; a hook keeps the head's output for all positions and we index it."""
+    outputs = []
+    hook = model.score.register_forward_hook(lambda module, inputs, output: outputs.append(output))
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    hook.remove()
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    return outputs[0][rows, last_token_index(attention_mask), 0].float() + getattr(model.config, "score_bias", 0.0)
+
+
+def disable_dropout(model):
+    """Dropout off: every dropout layer, and the attention dropout that HF models read from an attribute."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def shard_model(model, args, device):
+    """FSDP2: each decoder layer, then the root (embeddings, final norm, head). Gradients are summed over ranks,
+    not averaged: every loss here is already divided by a count taken over the whole global batch."""
+    bf16 = args.bf16 and device.type == "cuda"
+    mixed = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
+    policies = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)),
+                "mp_policy": MixedPrecisionPolicy(**mixed),
+                "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()}
+    layer_classes = set(model._no_split_modules or [])  # HF's name for the decoder layer classes
+    for module in model.modules():
+        if type(module).__name__ in layer_classes:
+            fully_shard(module, reshard_after_forward=args.reshard_after_forward, **policies)
+    fully_shard(model, **policies)  # the root keeps its own default: it runs first in the backward
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def load_trained(auto_class, path, args, flag, device):
+    """A model to train: loaded, dropout off (the log-probs and values of the same tokens must not change between the
+    passes that compare them), activations recomputed in the backward with --gradient_checkpointing, sharded."""
+    model = load_pretrained(auto_class, path, args, flag)
+    disable_dropout(model)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return shard_model(model, args, device)
+
+
+def load_reward_model(args, tokenizer, device):
+    """The frozen reward model of --reward_model_path (written by reward.py), refused unless its tokenizer is the
+    policy's: the scripts feed it the policy's token ids."""
+    reward_tokenizer = load_pretrained(AutoTokenizer, args.reward_model_path, args, "--reward_model_path")
+    if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"the reward model {args.reward_model_path} has another tokenizer than the policy: this "
+                         "script feeds it the policy's token ids")
+    return load_frozen(AutoModelForSequenceClassification, args.reward_model_path, args, "--reward_model_path", device)
+
+
+def load_frozen(auto_class, path, args, flag, device):
+    """A model that is not trained (a reference or a reward model): loaded, dropout off, no gradients, eval mode,
+    sharded like the policy."""
+    model = load_pretrained(auto_class, path, args, flag)
+    disable_dropout(model.requires_grad_(False).eval())
+    return shard_model(model, args, device)
+
+
+def make_optimizer(model, args):
+    """AdamW (fused: one kernel over all parameters; foreach over DTensors took 2-3x the time on CPU) or TF Adam; the
+    LR schedule, fixed now for num_training_steps and stepped once per optimizer step; and the step and the loop's own
+    state from --resume_from (else 0 and a fresh {"skipped": []})."""
+    if args.optimizer == "adam_tf":
+        optimizer = AdamTF(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon,
+                                      weight_decay=args.weight_decay, fused=True)
+    warmup = math.ceil(args.warmup_ratio * args.num_training_steps)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                              num_training_steps=args.num_training_steps)
+    start_step, state = (0, {"skipped": []})
+    if args.resume_from:
+        start_step, state = load_checkpoint(args.resume_from, model, optimizer, scheduler, args)
+    return optimizer, scheduler, start_step, state
+
+
+def optimizer_step(model, optimizer, scheduler, loss, step, args, skipped):
+    """Clip the gradient norm (--max_grad_norm; 0: measured only), apply the update unless guard_step refuses it,
+    step the LR schedule once, clear the gradients. `loss` is this rank's part of the step's loss. Returns the
+    learning rate the step used, the gradient norm, and whether to stop (a signal arrived)."""
+    max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    update, stop = guard_step(loss, grad_norm, step, args, skipped)
+    if update:
+        optimizer.step()
+    lr = scheduler.get_last_lr()[0]  # the learning rate this step used
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lr, grad_norm, stop
+
+
+def is_due(step, every, args):
+    """Whether to log (or evaluate) after optimizer step `step`: every `every` steps (-1: never), and the last one."""
+    return step == args.num_training_steps or (every > 0 and step % every == 0)
+
+
+def reduce_sums(sums):
+    """{name: this rank's running sum (a 0-d tensor)} -> {name: the sum over all ranks}, in one all-reduce. Every
+    rank runs the same code, so every rank has the same names."""
+    names = sorted(sums)
+    totals = torch.stack([sums[name].float() for name in names])
+    dist.all_reduce(totals)
+    return dict(zip(names, totals.tolist()))
+
+
+def open_metrics(args, start_step, rank):
+    """Rank 0: the wandb run (--track) and output_dir/metrics.jsonl; a resumed run continues the file, and the rows
+    logged after its checkpoint are dropped. Returns the file's path."""
+    path = os.path.join(args.output_dir, "metrics.jsonl")
+    if rank == 0:
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), save_code=True,
+                       name=f"{args.exp_name}__{args.seed}__{int(time.time())}")
+        old = [json.loads(line) for line in open(path)] if start_step > 0 and os.path.exists(path) else []
+        with open(path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in old if row["step"] <= start_step)
+    return path
+
+
+def log_metrics(metrics, path, args, progress, rank, samples=None):
+    """Rank 0 prints the metrics, appends them to metrics.jsonl and logs them to wandb. `samples`: a table of
+    completions, its first row the header (prompt, completion, then numbers), printed and logged as a wandb table.
+    No collective here: the metrics are reduced before."""
+    if rank != 0:
+        return
+    progress.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+    for prompt, completion, *numbers in (samples or [[]])[1:]:
+        values = ", ".join(f"{name} {value:+.3f}" for name, value in zip(samples[0][2:], numbers))
+        progress.write(f"  {values} | {prompt!r} -> {completion!r}")
+    with open(path, "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    if args.track:
+        import wandb
+
+        table = {"samples": wandb.Table(columns=samples[0], data=samples[1:])} if samples else {}
+        wandb.log({**metrics, **table}, step=metrics["step"])
+
+
+@contextlib.contextmanager
+def unsharded(model, keep=False):
+    """Every FSDP2 parameter gathered once for the whole block: generation runs one forward per new token, and FSDP2
+    would otherwise all-gather every layer again for each one. No forward in the block is then a collective, so ranks
+    may generate different numbers of tokens. FSDP2's forward hooks are set aside meanwhile: with everything gathered
+    they have nothing to do, yet they ran at every module for every token (a third of a GRPO step on an H100,
+    bench/RESULTS.md) and would split a compiled graph. keep (--no-reshard_after_forward): still gathered after the
+    block, so the next forward needs no all-gather; the backward frees them."""
+    fsdp_modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    hooks = [(module._forward_pre_hooks, module._forward_hooks) for module in fsdp_modules]
+    for module in fsdp_modules:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
+        module._forward_pre_hooks, module._forward_hooks = collections.OrderedDict(), collections.OrderedDict()
+    try:
+        yield
+    finally:
+        for module, (pre_hooks, post_hooks) in zip(fsdp_modules, hooks):
+            module._forward_pre_hooks, module._forward_hooks = pre_hooks, post_hooks
+            if not keep:
+                module.set_reshard_after_forward(module is not model, recurse=False)  # as shard_model left it
+                module.reshard()
+
+
+@torch.no_grad()
+def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_id, pad_token_id, cache="dynamic"):
+    """One completion per prompt (lists of token ids) with HF generate: sampled from softmax(logits / temperature), or
+    greedy if temperature is None. Each completion is cut after its first EOS; one without EOS is truncated. cache:
+    --cache_implementation; static pads the prompts to a multiple of 64 tokens, so that widths share a compiled step."""
+    device = next(model.parameters()).device
+    input_ids, attention_mask = pad(prompts, pad_token_id, "left"), pad([[1] * len(p) for p in prompts], 0, "left")
+    if cache == "static":
+        extra = -input_ids.shape[1] % 64
+        input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad_token_id)
+        attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0), value=0)
+    # Sample from exactly the distribution the log-probs are computed from: generate fills every option left unset
+    # from the model folder's generation_config (Qwen's sets top_k 20, top_p 0.8, repetition_penalty 1.05), and its
+    # global default top_k is 50, so swap in a blank config and turn top_k off.
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
+    config = GenerationConfig(**(sampling or {"do_sample": False}), max_new_tokens=max_new_tokens,
+                              eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                              cache_implementation=None if cache == "dynamic" else cache)
+    folder_config, model.generation_config, was_training = model.generation_config, GenerationConfig(), model.training
+    model.eval()  # gradient checkpointing acts in training mode only, and there it turns the KV cache off
+    try:  # position ids: generate derives them from the attention mask itself. synced_gpus: HF would all-reduce a
+        # "finished" flag after every token of an FSDP model; with the parameters gathered, ranks need not keep step
+        output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                generation_config=config, synced_gpus=False)
+    finally:
+        model.generation_config = folder_config
+        model.train(was_training)
+    rows = output[:, input_ids.shape[1] :].tolist()
+    return [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
+
+
+def sample_rollout(model, prompts, args, rollout, rank, eos_token_id, pad_token_id, device):
+    """Completions of every prompt, the parameters gathered once: chunks of local_rollout_forward_batch_size rows,
+    round-robin over the ranks, each seeded by (seed, rollout, chunk), so the samples depend neither on the number of
+    processes nor on a resume; the sum over ranks of the zero-initialised tables gives every rank the whole rollout.
+    Returns the completions (lists of token ids, cut after EOS) and their lengths (a tensor)."""
+    n, width, chunk_size = len(prompts), args.max_completion_length, args.local_rollout_forward_batch_size
+    completion_ids = torch.zeros(n, width, dtype=torch.long, device=device)
+    lengths = torch.zeros(n, dtype=torch.long, device=device)
+    with unsharded(model, keep=not args.reshard_after_forward):
+        for chunk, start in enumerate(range(0, n, chunk_size)):
+            if chunk % args.world_size != rank:
+                continue
+            torch.manual_seed((args.seed * 100_003 + rollout) * 100_003 + chunk)
+            chunk_prompts = prompts[start : start + chunk_size]
+            completions = generate_completions(model, chunk_prompts, width, args.temperature, eos_token_id,
+                                               pad_token_id, args.cache_implementation)
+            for i, completion in enumerate(completions, start):
+                completion_ids[i, : len(completion)] = torch.tensor(completion)
+                lengths[i] = len(completion)
+    dist.all_reduce(completion_ids)
+    dist.all_reduce(lengths)
+    return [completion_ids[i, :length].tolist() for i, length in enumerate(lengths.tolist())], lengths
+
+
+def rollout_mini_batches(rollout, passes, args):
+    """`passes` passes over a rollout of rollout_batch_size completions, each a fresh order (seeded by rollout and
+    pass) cut into num_mini_batches global mini-batches of batch_size: the same on every rank and after a resume."""
+    for iteration in range(passes):
+        seed = (args.seed * 100_003 + rollout) * 100_003 + iteration
+        order = torch.randperm(args.rollout_batch_size, generator=torch.Generator().manual_seed(seed)).tolist()
+        for k in range(args.num_mini_batches):
+            yield order[k * args.batch_size : (k + 1) * args.batch_size]
+
+
+STOP_SIGNALS = []  # signals received: request_stop appends, guard_step reads
+
+
+def request_stop(signum, frame):
+    """SIGTERM (preemption: torchrun forwards it to every process) or SIGINT (Ctrl-C) only raise a flag; the loop sees
+    it at the next optimizer step, saves a checkpoint and leaves. A second Ctrl-C stops at once."""
+    if signum == signal.SIGINT and STOP_SIGNALS:
+        raise KeyboardInterrupt
+    STOP_SIGNALS.append(signum)
+
+
+def guard_step(loss, grad_norm, step, args, skipped):
+    """Before optimizer.step(), one all-reduce: is this step's loss (this rank's part) or gradient norm NaN or inf
+    anywhere, and has any rank been asked to stop? Every rank gets the same answer and takes the same branch. A
+    non-finite step is not applied, up to --skip_nonfinite times (`skipped` lists them); past that the run stops with
+    a message naming the step, the metric and the last complete checkpoint. Returns (apply the update, stop now)."""
+    norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    stop_flag = torch.tensor(float(bool(STOP_SIGNALS)), device=norm.device)
+    flags = torch.stack([(~torch.isfinite(loss)).float(), (~torch.isfinite(norm)).float(), stop_flag])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    bad_loss, bad_norm, stop = flags.tolist()
+    if not bad_loss and not bad_norm:
+        return True, stop > 0
+    what = " and ".join(name for name, bad in [("loss", bad_loss), ("grad_norm", bad_norm)] if bad)
+    skipped.append(step)
+    if len(skipped) <= args.skip_nonfinite:
+        if dist.get_rank() == 0:
+            print(f"step {step}: non-finite {what}: update skipped ({len(skipped)} of --skip_nonfinite "
+                  f"{args.skip_nonfinite})")
+        return False, stop > 0
+    last = (complete_checkpoints(args.output_dir) or ["none (see --save_every)"])[-1]
+    raise FloatingPointError(
+        f"step {step}: non-finite {what} (grad_norm {norm.item()}); the model was not updated with it. Last complete "
+        f"checkpoint: {last}. Resume from it with a lower --learning_rate or --max_grad_norm, check this step's data, "
+        "or pass --skip_nonfinite N to skip up to N such steps")
+
+
+def leave_after_signal(checkpoint, rank):
+    """After the checkpoint a SIGTERM/SIGINT asked for: say how to continue, close the process group and exit with
+    128 + the signal, so that a job scheduler sees an interrupted run, not a finished one."""
+    signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # the signal may have reached another rank only
+    if rank == 0:
+        print(f"stopped by {signal.Signals(signum).name}: checkpoint {checkpoint}; the same command with "
+              "--resume_from auto continues the run")
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(128 + signum)
+
+
+def complete_checkpoint(path):
+    """The manifest (checkpoint.json) of a complete checkpoint folder, else None: the folder is named after its step,
+    and every file the manifest lists is there at its size (a folder still being written, truncated or copied in
+    part fails this)."""
+    try:
+        manifest = json.load(open(os.path.join(path, "checkpoint.json")))
+        sizes = all(os.path.getsize(os.path.join(path, name)) == size for name, size in manifest["files"].items())
+        return manifest if sizes and os.path.basename(os.path.normpath(path)) == f"step_{manifest['step']}" else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def complete_checkpoints(output_dir):
+    """The complete checkpoints of output_dir/checkpoints, oldest step first (--resume_from auto takes the last)."""
+    root = os.path.join(output_dir, "checkpoints")
+    found = [(manifest["step"], os.path.join(root, name)) for name in (os.listdir(root) if os.path.isdir(root) else [])
+             if (manifest := complete_checkpoint(os.path.join(root, name)))]
+    return [path for _, path in sorted(found)]
+
+
+def save_checkpoint(model, optimizer, scheduler, step, args, state):
+    """output_dir/checkpoints/step_N: model and optimizer tensors (torch.distributed.checkpoint, sharded), and per
+    rank the scheduler, the RNG states and `state` (the loop's own: skipped steps, the KL controller) in a
+    weights_only file. Written as step_N.tmp; when every rank is done, rank 0 lists each file with its size in
+    checkpoint.json (with the arguments) and renames the folder, so a crash while saving leaves the previous
+    checkpoint the latest complete one. --keep_last N then removes the older ones. Returns the folder."""
+    rank = dist.get_rank()
+    path = os.path.join(args.output_dir, "checkpoints", f"step_{step}")
+    if rank == 0:
+        shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # left by a crash
+    dist.barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=f"{path}.tmp")
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    extra = {"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state}
+    torch.save(extra, f"{path}.tmp/rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        files = {name: os.path.getsize(os.path.join(f"{path}.tmp", name)) for name in os.listdir(f"{path}.tmp")}
+        with open(f"{path}.tmp/checkpoint.json", "w") as f:
+            json.dump({"step": step, "args": vars(args), "files": files}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(path, ignore_errors=True)  # a run restarted into the same output_dir overwrites its old step
+        os.replace(f"{path}.tmp", path)
+        for old in complete_checkpoints(args.output_dir)[: -args.keep_last] if args.keep_last > 0 else []:
+            shutil.rmtree(old)
+    dist.barrier()
+    return path
+
+
+# arguments that may change when a run resumes: where it logs, how often, and how the same global batch is split
+RESUMABLE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "resume_from", "log_every",
+             "eval_every", "save_every", "keep_last", "skip_nonfinite", "per_device_train_batch_size",
+             "gradient_accumulation_steps", "per_device_eval_batch_size", "local_rollout_forward_batch_size",
+             "cache_implementation", "gradient_checkpointing", "cpu_offload", "reshard_after_forward", "world_size",
+             "local_batch_size"}
+
+
+class CheckpointReader(dcp.FileSystemReader):
+    """DCP's file reader, with its .metadata (a pickle) read through an allow-list: DCP's metadata classes, torch
+    sizes, dtypes and layouts, paths. Loading a checkpoint cannot run code planted in it; the tensors are raw bytes,
+    and save_checkpoint writes no pickled objects (the rest is in json and weights_only files)."""
+
+    def read_metadata(self, *args, **kwargs):
+        allowed_names = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                         ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                         ("pathlib", "WindowsPath"), ("pathlib", "Path")}
+
+        def allowed(module, name):
+            return (module == "torch.distributed.checkpoint.metadata" or (module, name) in allowed_names
+                    or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+
+        class Unpickler(pickle.Unpickler):
+            def find_class(self, module, name):
+                if not allowed(module, name):
+                    raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}: not a DCP "
+                                                 "metadata class")
+                return super().find_class(module, name)
+
+        with open(os.path.join(self.path, ".metadata"), "rb") as f:
+            metadata = Unpickler(f).load()
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def load_checkpoint(path, model, optimizer, scheduler, args):
+    """Restore a checkpoint of save_checkpoint, after checking that it is complete and belongs to this run: every
+    argument outside RESUMABLE must match (model, data, seed, schedule, algorithm, the global batch). The number of
+    processes may change if the global batch stays the same (DCP reshards; the per-rank RNG streams then restart).
+    Nothing is unpickled. Returns the step and the loop's own state."""
+    manifest = complete_checkpoint(path)
+    if manifest is None:
+        raise ValueError(f"--resume_from {path!r} is not a complete checkpoint (a step_N folder whose checkpoint.json "
+                         "lists files that are all there); --resume_from auto picks the latest complete one")
+    now = json.loads(json.dumps(vars(args)))
+    mismatched = [f"{name} {manifest['args'].get(name)!r} in the checkpoint, {value!r} now"
+                  for name, value in now.items() if name not in RESUMABLE and manifest["args"].get(name) != value]
+    if mismatched:
+        raise ValueError(f"checkpoint {path} does not match the arguments: {'; '.join(mismatched)}. Resume with the "
+                         "arguments it was written with (batch_size = processes x --per_device_train_batch_size x "
+                         "--gradient_accumulation_steps), or start a new run in another --output_dir")
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state["state"]}
+    reader = CheckpointReader(path)
+    reader.read_metadata()  # a refusal surfaces here: DCP itself (torch 2.11) swallows read_metadata's errors
+    dcp.load(state, storage_reader=reader)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict={"state": state["optimizer"], "param_groups": optimizer_state["param_groups"]})
+    same_processes = manifest["args"]["world_size"] == args.world_size
+    extra = torch.load(os.path.join(path, f"rank{dist.get_rank() if same_processes else 0}.pt"), weights_only=True)
+    scheduler.load_state_dict(extra["scheduler"])
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr  # the learning rate of the next step (param_groups are not in the checkpoint)
+    if same_processes:
+        torch.set_rng_state(extra["rng"]["torch"])
+        random.setstate(extra["rng"]["python"])
+        if "cuda" in extra["rng"]:
+            torch.cuda.set_rng_state(extra["rng"]["cuda"])
+    elif dist.get_rank() == 0:
+        print(f"resuming on {args.world_size} processes a run of {manifest['args']['world_size']}: same weights, "
+              "optimizer, schedule and data order; the per-process random streams (dropout) restart")
+    return extra["step"], extra["state"]
+
+
+def save_hf_model(model, tokenizer, output_dir, rank):
+    """Gather the full weights on rank 0 (a collective: every rank calls this) and write a Hugging Face folder."""
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    first_name = {}  # tied parameters (input embeddings = head) come back as copies: keep the first name only
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if first_name.setdefault(id(param), name) != name:
+            state_dict.pop(name, None)
+    if rank == 0:
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
+
+
+def finish(model, tokenizer, args, device, rank):
+    """Write the Hugging Face folder (a collective), print the peak memory of the busiest process (GPU allocations,
+    or the CPU resident set), close wandb and the process group."""
     save_hf_model(model, tokenizer, args.output_dir, rank)
-    on_gpu = device.type == "cuda"  # peak memory of the busiest process: GPU allocations, or CPU resident set size
-    peak = torch.tensor(torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0, device=device)
+    on_gpu = device.type == "cuda"
+    used = torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = torch.tensor(float(used), device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print(f"saved {args.output_dir}; peak {'GPU' if on_gpu else 'CPU RSS'} memory per process {peak.item() / 2**30:.2f} GiB")
+        print(f"saved {args.output_dir}; peak {'GPU' if on_gpu else 'CPU RSS'} memory per process "
+              f"{peak.item() / 2**30:.2f} GiB")
         if args.track:
+            import wandb
+
             wandb.finish()
     dist.barrier()  # no rank tears gloo/nccl down while another still communicates (gloo can abort at exit otherwise)
     dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,5 +1,6 @@
 """Helpers are pasted verbatim into each script that needs them (STYLE.md): any function or class defined under the
-same name in several top-level scripts must have the same source, so the copies cannot drift apart."""
+same name in several top-level scripts must have the same source, so the copies cannot drift apart. And the layout:
+the algorithm first, then one infrastructure line, then only those shared helpers."""
 
 import ast
 import os
@@ -8,14 +9,22 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = [s for s in ("sft.py", "reward.py", "dpo.py", "ppo.py", "grpo.py") if os.path.exists(os.path.join(ROOT, s))]
-PER_SCRIPT = {"Args"}  # each script has its own Args (the common block is checked field by field below)
+# each script's own version of the same step, under one name so that `diff ppo.py grpo.py` lines them up (Args: the
+# common block is checked field by field below); they live above the infrastructure line
+PER_SCRIPT = {"Args", "main", "evaluate", "score_rollout", "accumulate_gradients"}
+MARKER = "# Infrastructure: identical in every script that has it (tests/test_consistency.py). Skip it on a first read."
+GUARD = 'if __name__ == "__main__":\n    main(tyro.cli(Args))'
+
 
 
 def definitions(source):
     """name -> source text of every top-level function and class."""
     tree = ast.parse(source)
-    return {node.name: ast.get_source_segment(source, node) for node in tree.body
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    return {
+        node.name: ast.get_source_segment(source, node)
+        for node in tree.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    }
 
 
 def drifted_copies(sources):
@@ -24,8 +33,57 @@ def drifted_copies(sources):
     for script, source in sources.items():
         for name, text in definitions(source).items():
             by_name.setdefault(name, {})[script] = text
-    return {name: sorted(copies) for name, copies in by_name.items()
-            if name not in PER_SCRIPT and len(copies) > 1 and len(set(copies.values())) > 1}
+    return {
+        name: sorted(copies)
+        for name, copies in by_name.items()
+        if name not in PER_SCRIPT and len(copies) > 1 and len(set(copies.values())) > 1
+    }
+
+
+def layout_problems(sources):
+    """What breaks the layout of STYLE.md in each script: the infrastructure line (one line starting with "# " and
+    containing "Infrastructure", the same MARKER in every script); below it only helpers that two or more scripts
+    define (and not a per-script step); `main` above it; the file ending with the two-line guard."""
+    counts = {}
+    for source in sources.values():
+        for name in definitions(source):
+            counts[name] = counts.get(name, 0) + 1
+    problems = []
+    for script, source in sources.items():
+        lines = source.splitlines()
+        markers = [i + 1 for i, line in enumerate(lines) if line.startswith("# ") and "Infrastructure" in line]
+        if len(markers) != 1 or lines[markers[0] - 1] != MARKER:
+            problems.append(f"{script}: infrastructure lines at {markers}, not one MARKER")
+            continue
+        for node in ast.parse(source).body:
+            if not isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                continue
+            below = node.lineno > markers[0]
+            if below and (counts[node.name] < 2 or node.name in PER_SCRIPT):
+                problems.append(f"{script}: {node.name} is below the infrastructure line but not a shared helper")
+            if node.name == "main" and below:
+                problems.append(f"{script}: main is below the infrastructure line")
+        if not source.rstrip().endswith(GUARD):
+            problems.append(f"{script}: does not end with the guard calling main(tyro.cli(Args))")
+    return problems
+
+
+def test_layout_algorithm_first_infrastructure_last():
+    assert layout_problems({s: open(os.path.join(ROOT, s)).read() for s in SCRIPTS}) == []
+
+
+def test_the_layout_check_catches_a_script_only_helper_below_the_line():
+    def script(extra_below):
+        algorithm = "def loss(x):\n    return x\n\n\ndef main(args):\n    pass\n\n\n"
+        return f"{algorithm}{MARKER}\ndef pad(x):\n    return x\n{extra_below}\n\n{GUARD}\n"
+
+    good = {"a.py": script(""), "b.py": script("")}
+    assert layout_problems(good) == []
+    bad = {"a.py": script("\n\ndef only_here(x):\n    return x\n"), "b.py": script("")}
+    assert layout_problems(bad) == ["a.py: only_here is below the infrastructure line but not a shared helper"]
+    main_below = f"def loss(x):\n    return x\n\n\n{MARKER}\ndef main(args):\n    pass\n\n\ndef pad(x):\n    return x\n"
+    assert "a.py: main is below the infrastructure line" in layout_problems({"a.py": main_below + f"\n\n{GUARD}\n",
+                                                                           "b.py": script("")})
 
 
 def test_shared_helpers_are_identical_across_scripts():
@@ -38,19 +96,71 @@ def test_the_check_catches_a_drifted_copy():
     b = "def pad(x):\n    return x + 0\n\ndef loss(y):\n    return -y\n"
     c = "def pad(x):\n    return x\n"
     assert drifted_copies({"a.py": a, "c.py": c}) == {}  # a verbatim copy passes; a name in one script is free
-    assert drifted_copies({"a.py": a, "b.py": b, "c.py": c}) == {"pad": ["a.py", "b.py", "c.py"], "loss": ["a.py", "b.py"]}
+    assert drifted_copies({"a.py": a, "b.py": b, "c.py": c}) == {
+        "pad": ["a.py", "b.py", "c.py"],
+        "loss": ["a.py", "b.py"],
+    }
 
 
-COMMON_FIELDS = ["exp_name", "seed", "track", "wandb_project_name", "wandb_entity", "output_dir", "model_name_or_path",
-                 "dataset_name", "dataset_train_split", "dataset_test_split", "max_steps", "num_train_epochs", "learning_rate",
-                 "lr_scheduler_type", "warmup_ratio", "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size",
-                 "max_grad_norm", "optimizer", "adam_epsilon", "weight_decay", "bf16", "gradient_checkpointing", "cpu_offload", "reshard_after_forward",
-                 "log_every", "eval_every", "save_every", "resume_from", "keep_last", "skip_nonfinite", "trust_remote_code"]
+COMMON_FIELDS = [
+    "exp_name",
+    "seed",
+    "track",
+    "wandb_project_name",
+    "wandb_entity",
+    "output_dir",
+    "model_name_or_path",
+    "dataset_name",
+    "dataset_train_split",
+    "dataset_test_split",
+    "max_steps",
+    "num_train_epochs",
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_ratio",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "per_device_eval_batch_size",
+    "max_grad_norm",
+    "optimizer",
+    "adam_epsilon",
+    "weight_decay",
+    "bf16",
+    "gradient_checkpointing",
+    "cpu_offload",
+    "reshard_after_forward",
+    "log_every",
+    "eval_every",
+    "save_every",
+    "resume_from",
+    "keep_last",
+    "skip_nonfinite",
+    "trust_remote_code",
+]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_common_arguments_come_first_in_every_script(script):
     """The common command line (DESIGN.md) opens every Args, in the same order, so `diff` shows only the algorithm."""
-    args = next(node for node in ast.parse(open(os.path.join(ROOT, script)).read()).body if isinstance(node, ast.ClassDef) and node.name == "Args")
+    args = next(
+        node
+        for node in ast.parse(open(os.path.join(ROOT, script)).read()).body
+        if isinstance(node, ast.ClassDef) and node.name == "Args"
+    )
     fields = [node.target.id for node in args.body if isinstance(node, ast.AnnAssign)]
     assert fields[: len(COMMON_FIELDS)] == COMMON_FIELDS
+
+
+
+def nesting(node):
+    """How many blocks (for, while, if, with, try, def) deep `node` reaches, itself included."""
+    inner = max((nesting(child) for child in ast.iter_child_nodes(node)), default=0)
+    return inner + isinstance(node, (ast.For, ast.While, ast.If, ast.With, ast.Try, ast.FunctionDef))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_main_nests_at_most_four_levels(script):
+    main = next(n for n in ast.parse(open(os.path.join(ROOT, script)).read()).body if getattr(n, "name", "") == "main")
+    assert max(nesting(statement) for statement in main.body) <= 4
+    five = "for a in b:\n for c in d:\n  if e:\n   with f:\n    while g:\n     pass\n"  # the count can exceed 4
+    assert nesting(ast.parse(five).body[0]) == 5

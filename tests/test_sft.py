@@ -8,14 +8,25 @@ import torch
 from conftest import read_metrics, reference_logprobs, run_script, tiny_gpt2
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sft import completion_logprobs, global_batch, load_split, make_batch, rank_micro_batches, sft_loss, tokenize_prompt_completion, tokenize_sft
+from sft import (
+    completion_logprobs,
+    global_batch,
+    load_split,
+    make_batch,
+    rank_micro_batches,
+    sft_loss,
+    tokenize_prompt_completion,
+    tokenize_sft,
+)
 from toy_task import exact_match
 
 
 # ----------------------------------------------------------------------------------------------------- unit tests
 def test_make_batch_keeps_eos_when_pad_equals_eos():
     eos = 7  # pad == eos: a mask built from `input_ids != pad` would drop the EOS the model must learn
-    input_ids, attention_mask, completion_mask = make_batch([[1, 2, 3], [4]], [[5, eos], [6, 6, 6, eos]], pad_token_id=eos)
+    input_ids, attention_mask, completion_mask = make_batch(
+        [[1, 2, 3], [4]], [[5, eos], [6, 6, 6, eos]], pad_token_id=eos
+    )
     assert input_ids.tolist() == [[1, 2, 3, 5, eos, eos, eos], [eos, eos, 4, 6, 6, 6, eos]]
     assert attention_mask.tolist() == [[1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1]]
     assert completion_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
@@ -29,11 +40,16 @@ def test_completion_logprobs_left_padding_and_temperature(temperature):
     with torch.no_grad():
         logprobs = completion_logprobs(model, input_ids, attention_mask, completion_mask.shape[1], temperature)
         for row, (p, c) in enumerate(zip(prompts, completions)):
-            torch.testing.assert_close(logprobs[row, : len(c)], reference_logprobs(model, p, c, temperature), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                logprobs[row, : len(c)], reference_logprobs(model, p, c, temperature), atol=1e-5, rtol=1e-5
+            )
         # control: the same batch without position_ids gives other log-probs for the left-padded row
         plain = model(input_ids=input_ids, attention_mask=attention_mask).logits[1, -4:-2]
-        assert not torch.allclose(torch.log_softmax(plain, -1).gather(-1, torch.tensor([[10], [11]]))[:, 0],
-                                  reference_logprobs(model, prompts[1], completions[1])[:2], atol=1e-3)
+        assert not torch.allclose(
+            torch.log_softmax(plain, -1).gather(-1, torch.tensor([[10], [11]]))[:, 0],
+            reference_logprobs(model, prompts[1], completions[1])[:2],
+            atol=1e-3,
+        )
 
 
 def test_sft_loss_is_token_mean_over_the_global_batch():
@@ -53,11 +69,14 @@ def test_tokenize_standard_and_conversational(toy):
     prompt_ids, completion_ids = tokenize_prompt_completion(tok, "sort: 312 ->", " 123")
     assert tok.decode(prompt_ids) == "sort: 312 ->" and tok.decode(completion_ids) == " 123<|eos|>"
     prompt_ids, completion_ids = tokenize_prompt_completion(
-        tok, [{"role": "user", "content": "sort: 312 ->"}], [{"role": "assistant", "content": " 123"}])
+        tok, [{"role": "user", "content": "sort: 312 ->"}], [{"role": "assistant", "content": " 123"}]
+    )
     assert tok.decode(prompt_ids) == "<|user|>sort: 312 -><|assistant|>"
     assert tok.decode(completion_ids) == " 123<|eos|>"  # the template's EOS, not appended a second time
     tok.chat_template = tok.chat_template.replace("<|eos|>{% endif %}", "<|eos|>\n{% endif %}")  # Qwen-style turn end
-    _, completion_ids = tokenize_prompt_completion(tok, [{"role": "user", "content": "a"}], [{"role": "assistant", "content": " b"}])
+    _, completion_ids = tokenize_prompt_completion(
+        tok, [{"role": "user", "content": "a"}], [{"role": "assistant", "content": " b"}]
+    )
     assert tok.decode(completion_ids) == " b<|eos|>\n"
 
 
@@ -70,8 +89,12 @@ def test_bad_rows_are_counted_not_silently_dropped(toy):
     class A:
         dataset_name, max_prompt_length, max_completion_length = "rows", 20, 20
 
-    prompts, completions, dropped = tokenize_sft(datasets.Dataset.from_dict(rows), tok, A)
-    assert len(prompts) == 1 and dropped == {"empty completion": 1, "prompt too long": 1, "completion too long": 1}
+    data, dropped = tokenize_sft(datasets.Dataset.from_dict(rows), tok, A)
+    assert len(data["prompt"]) == len(data["completion"]) == 1 and dropped == {
+        "empty completion": 1,
+        "prompt too long": 1,
+        "completion too long": 1,
+    }
     with pytest.raises(ValueError, match="needs a 'completion' column"):
         tokenize_sft(datasets.Dataset.from_dict({"prompt": ["a"], "answer": ["b"]}), tok, A)
 
@@ -82,7 +105,9 @@ def test_load_split_file_folder_and_saved(toy, tmp_path):
     assert load_split(str(toy / "sft" / "test.jsonl"), "test") is None  # a single file is the train split only
     load_split(str(toy / "sft"), "test").save_to_disk(str(tmp_path / "saved" / "test"))
     json.dump({"splits": ["test"]}, open(tmp_path / "saved" / "dataset_dict.json", "w"))
-    assert len(load_split(str(tmp_path / "saved"), "test")) == 200 and load_split(str(tmp_path / "saved"), "train") is None
+    assert (
+        len(load_split(str(tmp_path / "saved"), "test")) == 200 and load_split(str(tmp_path / "saved"), "train") is None
+    )
 
 
 def test_rank_micro_batches_cover_every_row_once_with_equal_counts_per_rank():
@@ -95,7 +120,9 @@ def test_rank_micro_batches_cover_every_row_once_with_equal_counts_per_rank():
 
 
 def test_global_batch_is_a_function_of_the_step_and_reshuffles_each_epoch():
-    epoch0 = [global_batch(step, 10, 4, 3) for step in range(2)]  # 10 rows, batches of 4: 2 steps per epoch, 2 rows left out
+    epoch0 = [
+        global_batch(step, 10, 4, 3) for step in range(2)
+    ]  # 10 rows, batches of 4: 2 steps per epoch, 2 rows left out
     assert len(set(epoch0[0] + epoch0[1])) == 8 and global_batch(1, 10, 4, 3) == epoch0[1]
     assert [global_batch(step, 10, 4, 3) for step in (2, 3)] != epoch0
 
@@ -109,7 +136,10 @@ def test_sft_learns_the_toy_task_on_two_processes(toy, sft_model):
     for key in ("loss", "lr", "grad_norm", "episode", "tokens_per_second"):
         assert all(math.isfinite(r[key]) for r in rows), key
     assert rows[-1]["episode"] == 150 * 32
-    before, after = exact_match(str(toy / "model"), str(toy / "prompts" / "test.jsonl")), exact_match(str(out), str(toy / "prompts" / "test.jsonl"))
+    before, after = (
+        exact_match(str(toy / "model"), str(toy / "prompts" / "test.jsonl")),
+        exact_match(str(out), str(toy / "prompts" / "test.jsonl")),
+    )
     print(f"toy exact match: untrained {before:.3f}, after 150 SFT steps {after:.3f}")
     assert before < 0.05 and after >= 0.4  # exact_match loads the folder with from_pretrained and generates
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -117,15 +147,45 @@ def test_sft_learns_the_toy_task_on_two_processes(toy, sft_model):
 
 
 def test_conversational_messages_dropped_rows_and_wandb(toy, tmp_path):
-    rows = [{"messages": [{"role": "user", "content": f"sort: {d} ->"}, {"role": "assistant", "content": " " + "".join(sorted(d))}]}
-            for d in ["312", "9081", "5521", "77"]]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"sort: {d} ->"},
+                {"role": "assistant", "content": " " + "".join(sorted(d))},
+            ]
+        }
+        for d in ["312", "9081", "5521", "77"]
+    ]
     rows.append({"messages": [{"role": "user", "content": "sort: 1 ->"}, {"role": "assistant", "content": ""}]})
-    rows.append({"messages": [{"role": "user", "content": "sort: " + "1" * 60 + " ->"}, {"role": "assistant", "content": " 1"}]})
+    rows.append(
+        {"messages": [{"role": "user", "content": "sort: " + "1" * 60 + " ->"}, {"role": "assistant", "content": " 1"}]}
+    )
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = run_script("sft.py", ["--model_name_or_path", toy / "model", "--dataset_name", tmp_path / "chat.jsonl", "--output_dir", tmp_path / "out",
-                                   "--max_prompt_length", 32, "--per_device_train_batch_size", 2, "--max_steps", 2, "--log_every", 1, "--track"],
-                        env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
+    result = run_script(
+        "sft.py",
+        [
+            "--model_name_or_path",
+            toy / "model",
+            "--dataset_name",
+            tmp_path / "chat.jsonl",
+            "--output_dir",
+            tmp_path / "out",
+            "--max_prompt_length",
+            32,
+            "--per_device_train_batch_size",
+            2,
+            "--max_steps",
+            2,
+            "--log_every",
+            1,
+            "--track",
+        ],
+        env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)},
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # --track logged the run (offline)
-    assert "train: 4 of 6 rows kept; dropped: {'empty completion': 1, 'prompt too long': 1, 'completion too long': 0}" in result.stdout
+    assert (
+        "train: 4 of 6 rows kept; dropped: {'empty completion': 1, 'prompt too long': 1, 'completion too long': 0}"
+        in result.stdout
+    )
     assert len(read_metrics(tmp_path / "out")) == 2
