@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import tyro
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
@@ -270,11 +270,37 @@ def main(args):
 # ---------------------------------------------------------------------------------------------------------------------
 # Infrastructure: identical in every script that has it (tests/test_consistency.py). Skip it on a first read.
 # ---------------------------------------------------------------------------------------------------------------------
+# numeric arguments that cannot be meant outside these ranges: (flags, what they must be, the check); a script
+# without the flag skips it
+ARGUMENT_RULES = [
+    (["num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size",
+      "log_every", "max_prompt_length", "max_completion_length", "num_mini_batches", "num_iterations", "num_ppo_epochs",
+      "local_rollout_forward_batch_size", "kl_horizon"], "at least 1", lambda v: v >= 1),
+    (["max_steps", "eval_every", "save_every", "keep_last"], "-1 (off) or at least 1", lambda v: v == -1 or v >= 1),
+    (["learning_rate", "adam_epsilon", "temperature", "kl_target"], "above 0", lambda v: v > 0),
+    (["weight_decay", "max_grad_norm", "skip_nonfinite", "beta", "epsilon", "epsilon_high", "rpo_alpha",
+      "missing_eos_penalty", "kl_coef", "cliprange", "cliprange_value", "vf_coef"], "0 or more", lambda v: v >= 0),
+    (["warmup_ratio", "gamma", "lam"], "in [0, 1]", lambda v: 0 <= v <= 1),
+    (["label_smoothing"], "in [0, 0.5)", lambda v: 0 <= v < 0.5),
+]
+
+
+def check_arguments(args):
+    """Refuse a numeric argument that cannot be meant (a batch size of 0, --max_steps 0, a negative --beta...),
+    naming the flag, before anything is loaded."""
+    for names, allowed, check in ARGUMENT_RULES:
+        for name in names:
+            value = getattr(args, name, None)
+            if value is not None and not check(value):
+                raise ValueError(f"--{name} {value}: must be {allowed}")
+
+
 def setup(args):
-    """Distributed init (torchrun sets RANK and WORLD_SIZE; `python script.py` is world size 1 on the same code path),
-    SIGTERM/SIGINT handlers, --resume_from auto, the computed batch sizes, the seeds and the output folder. Returns
-    rank, world size, device. TRY NOT TO MODIFY: each rank seeds its own stream (dropout); the data order and the
-    sampling use generators of their own, seeded by step."""
+    """The arguments checked (check_arguments); distributed init (torchrun sets RANK and WORLD_SIZE; `python
+    script.py` is world size 1 on the same code path); SIGTERM/SIGINT handlers; --resume_from auto; the computed
+    batch sizes, the seeds and the output folder. Returns rank, world size, device. TRY NOT TO MODIFY: each rank
+    seeds its own stream (dropout); the data order and the sampling use generators of their own, seeded by step."""
+    check_arguments(args)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" in os.environ:
         dist.init_process_group(backend)
@@ -724,8 +750,9 @@ RESUMABLE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_
 
 class CheckpointReader(dcp.FileSystemReader):
     """DCP's file reader, with its .metadata (a pickle) read through an allow-list: DCP's metadata classes, torch
-    sizes, dtypes and layouts, paths. Loading a checkpoint cannot run code planted in it; the tensors are raw bytes,
-    and save_checkpoint writes no pickled objects (the rest is in json and weights_only files)."""
+    sizes, dtypes and layouts, paths. And no bytes entry: DCP reads those with torch.load(weights_only=False), which
+    runs whatever the file holds; save_checkpoint writes tensors only (the rest is in json and weights_only files).
+    So loading a checkpoint cannot run code planted in it."""
 
     def read_metadata(self, *args, **kwargs):
         allowed_names = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
@@ -745,6 +772,11 @@ class CheckpointReader(dcp.FileSystemReader):
 
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
             metadata = Unpickler(f).load()
+        entries = metadata.state_dict_metadata.items()
+        pickled = [key for key, entry in entries if isinstance(entry, BytesStorageMetadata)]
+        if pickled:
+            raise ValueError(f"checkpoint {self.path} lists a non-tensor entry ({pickled[0]}), which DCP would "
+                             "unpickle: not a checkpoint of these scripts (they save tensors only)")
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

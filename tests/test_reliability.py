@@ -404,3 +404,52 @@ def test_loading_a_checkpoint_runs_no_code(checkpointed, toy, tmp_path):
     )
     assert "checkpoint metadata refers to shutil.copy: not a DCP metadata class" in str(error), repr(error)
     assert not (tmp_path / "ran").exists()
+
+
+def test_a_planted_bytes_entry_runs_no_code(checkpointed, toy, tmp_path):
+    """An allow-listed .metadata can still point a key at a bytes entry, which DCP's load_bytes would read with
+    torch.load(weights_only=False), running code planted in that file. Our checkpoints hold tensors only, so any
+    bytes entry is refused before DCP reads anything."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    out = tmp_path / "run"
+    shutil.copytree(checkpointed, out)
+    step = out / "checkpoints" / "step_4"
+
+    class Planted:
+        def __reduce__(self):
+            return (shutil.copy, (str(step / "checkpoint.json"), str(tmp_path / "ran")))
+
+    torch.save(Planted(), step / "planted.distcp")
+    metadata = pickle.load(open(step / ".metadata", "rb"))
+    key = next(k for k in metadata.state_dict_metadata if k.startswith("model."))  # a key that resume loads
+    metadata.state_dict_metadata[key] = BytesStorageMetadata()
+    size = os.path.getsize(step / "planted.distcp")
+    metadata.storage_data[MetadataIndex(key)] = _StorageInfo(relative_path="planted.distcp", offset=0, length=size)
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    manifest = json.load(open(step / "checkpoint.json"))
+    manifest["files"].update({".metadata": os.path.getsize(step / ".metadata"), "planted.distcp": size})
+    json.dump(manifest, open(step / "checkpoint.json", "w"))
+    error, _ = run_in_process(
+        "sft.py", script_args("sft.py", toy / "model", toy / "sft", out, None, "--max_steps", 4, "--resume_from", step)
+    )
+    assert f"checkpoint {step} lists a non-tensor entry ({key})" in str(error), repr(error)
+    assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_arguments_that_cannot_be_meant_are_refused_before_loading(script, toy, tmp_path):
+    """Each stops in setup, naming the flag, before any dataset or model is read (the model folder here does not
+    exist: a later failure would name it instead)."""
+    bad = [("--gradient_accumulation_steps", -1, "at least 1"), ("--max_steps", 0, "-1 (off) or at least 1"),
+           ("--per_device_train_batch_size", 0, "at least 1"), ("--log_every", 0, "at least 1"),
+           ("--learning_rate", -1e-5, "above 0"), ("--warmup_ratio", 1.5, "in [0, 1]")]
+    bad += {"dpo.py": [("--beta", -0.1, "0 or more"), ("--beta", 0.0, "above 0")],  # 0: dpo's own check
+            "grpo.py": [("--beta", -0.1, "0 or more"), ("--num_mini_batches", 0, "at least 1"),
+                        ("--temperature", 0.0, "above 0")],
+            "ppo.py": [("--num_mini_batches", 0, "at least 1"), ("--gamma", 1.5, "in [0, 1]")]}.get(script, [])
+    for flag, value, allowed in bad:
+        args = script_args(script, tmp_path / "no_model", toy / DATA[script], tmp_path / "out", "rm", flag, value)
+        error, _ = run_in_process(script, args)
+        assert isinstance(error, ValueError) and f"{flag} {value}: must be {allowed}" in str(error), (flag, repr(error))
