@@ -700,9 +700,9 @@ def guard_step(loss, grad_norm, step, args, skipped):
     anywhere, and has any rank been asked to stop? Every rank gets the same answer and takes the same branch. A
     non-finite step is not applied, up to --skip_nonfinite times (`skipped` lists them); past that the run stops with
     a message naming the step, the metric and the last complete checkpoint. Returns (apply the update, stop now)."""
-    norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    stop_flag = torch.tensor(float(bool(STOP_SIGNALS)), device=norm.device)
-    flags = torch.stack([(~torch.isfinite(loss)).float(), (~torch.isfinite(norm)).float(), stop_flag])
+    stop_flag = torch.tensor(float(bool(STOP_SIGNALS)), device=grad_norm.device)
+    bad = [(~torch.isfinite(value)).float() for value in (loss, grad_norm)]
+    flags = torch.stack([*bad, stop_flag])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     bad_loss, bad_norm, stop = flags.tolist()
     if not bad_loss and not bad_norm:
@@ -716,9 +716,9 @@ def guard_step(loss, grad_norm, step, args, skipped):
         return False, stop > 0
     last = (complete_checkpoints(args.output_dir) or ["none (see --save_every)"])[-1]
     raise FloatingPointError(
-        f"step {step}: non-finite {what} (grad_norm {norm.item()}); the model was not updated with it. Last complete "
-        f"checkpoint: {last}. Resume from it with a lower --learning_rate or --max_grad_norm, check this step's data, "
-        "or pass --skip_nonfinite N to skip up to N such steps")
+        f"step {step}: non-finite {what} (grad_norm {grad_norm.item()}); the model was not updated with it. Last "
+        f"complete checkpoint: {last}. Resume from it with a lower --learning_rate or --max_grad_norm, check this "
+        "step's data, or pass --skip_nonfinite N to skip up to N such steps")
 
 
 def leave_after_signal(checkpoint, rank):

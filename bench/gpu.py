@@ -504,8 +504,7 @@ def speed_stage(out, sizes, args):
     plan["grpo_static"] = (plan["grpo"][0] + ["--cache_implementation", "static"], None, sizes["grpo_skip"])
     config = json.load(open(os.path.join(model, "config.json")))
     peak = (peak_tflops() or 0) * 1e12
-    result, failures = {"model": sizes["shape"], "parameters": None, "runs": {}}, []
-    result["parameters"] = sum(v for k, v in parameter_counts(model).items())
+    result, failures = {"model": sizes["shape"], "parameters": sum(parameter_counts(model).values()), "runs": {}}, []
     for algo, (our_command, trl_arguments, skip) in plan.items():
         if algo not in args.algos:
             continue
