@@ -565,6 +565,23 @@ def load_tokenizer(args):
     return tokenizer, pad_token_id
 
 
+def check_text_columns(dataset, args, split):
+    """The columns the scripts read as text must have been read as text. A CSV cell, or a JSON value in a column
+    that mixes strings and numbers, that looks like a number comes back as one: "0457" becomes 457, and a verifier
+    then scores the right answer 0. Conversations (lists of messages) are the other form a column may take."""
+    for column in ["prompt", "completion", "chosen", "rejected", "messages", getattr(args, "answer_column", "answer")]:
+        feature = dataset.features.get(column)
+        if feature is None or isinstance(feature, (list, datasets.List, datasets.LargeList, datasets.Sequence)):
+            continue
+        if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
+            continue
+        kind = feature.dtype if isinstance(feature, datasets.Value) else "mixed (text and numbers)"
+        raise ValueError(f"dataset {args.dataset_name!r}, split {split!r}: column {column!r} was read as {kind}, not "
+                         f"text (first row: {dataset[0][column]!r}); a number loses its leading zeros ('0457' -> 457). "
+                         "Store the column as text: quoted strings in JSON/JSONL, a string column in parquet (a CSV "
+                         "cell that looks like a number is always read as one)")
+
+
 def load_data(args, tokenizer, tokenize, rank):
     """The train and test splits of --dataset_name through tokenize(dataset, tokenizer, args) -> (columns, dropped).
     Every rank holds all of it, so each knows the whole global batch. Returns train, test (None: no such split) and
@@ -572,8 +589,11 @@ def load_data(args, tokenizer, tokenize, rank):
     train_dataset = load_split(args.dataset_name, args.dataset_train_split)
     if train_dataset is None:
         raise ValueError(f"dataset {args.dataset_name!r} has no split {args.dataset_train_split!r}")
+    check_text_columns(train_dataset, args, args.dataset_train_split)
     train, dropped = tokenize(train_dataset, tokenizer, args)
     eval_dataset = load_split(args.dataset_name, args.dataset_test_split)
+    if eval_dataset:
+        check_text_columns(eval_dataset, args, args.dataset_test_split)
     test = tokenize(eval_dataset, tokenizer, args)[0] if eval_dataset else None
     if rank == 0:
         print(f"train: {len(train['prompt'])} of {len(train_dataset)} rows kept; dropped: {dropped}")

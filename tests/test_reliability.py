@@ -149,6 +149,15 @@ def test_bad_input_names_the_problem_and_the_fix(script, toy, scored_model, tmp_
                 f"--reward_model_path {str(toy / 'model')!r} has no weights for ['score.weight']",
             )
         )
+    # text that looks like a number: a CSV column, or a JSON column that mixes strings and numbers, would turn "0457"
+    # into 457 (a right answer then scores 0, or sft fails on an int): refused with the column and a value
+    column = {"sft.py": "completion", "reward.py": "chosen", "dpo.py": "chosen"}.get(script, "answer")
+    other = [k for k in ROW[script] if k != column]
+    csv = tmp_path / "numbers.csv"
+    csv.write_text(",".join(other + [column]) + "\n" + ",".join([ROW[script][k] for k in other] + ["0457"]) + "\n")
+    cases.append(("csv", *run(toy / "model", csv), f"column {column!r} was read as int64, not text (first row: 457)"))
+    mixed = write_rows(tmp_path / "mixed.jsonl", [{**ROW[script], column: "0457"}, {**ROW[script], column: 12}])
+    cases.append(("mixed", *run(toy / "model", mixed), f"column {column!r} was read as mixed (text and numbers)"))
     for what, error, printed, text in cases:
         assert isinstance(error, ValueError) and text in str(error) + printed, (script, what, repr(error)[-600:])
 
@@ -442,13 +451,23 @@ def test_a_planted_bytes_entry_runs_no_code(checkpointed, toy, tmp_path):
 def test_arguments_that_cannot_be_meant_are_refused_before_loading(script, toy, tmp_path):
     """Each stops in setup, naming the flag, before any dataset or model is read (the model folder here does not
     exist: a later failure would name it instead)."""
-    bad = [("--gradient_accumulation_steps", -1, "at least 1"), ("--max_steps", 0, "-1 (off) or at least 1"),
-           ("--per_device_train_batch_size", 0, "at least 1"), ("--log_every", 0, "at least 1"),
-           ("--learning_rate", -1e-5, "above 0"), ("--warmup_ratio", 1.5, "in [0, 1]")]
-    bad += {"dpo.py": [("--beta", -0.1, "0 or more"), ("--beta", 0.0, "above 0")],  # 0: dpo's own check
-            "grpo.py": [("--beta", -0.1, "0 or more"), ("--num_mini_batches", 0, "at least 1"),
-                        ("--temperature", 0.0, "above 0")],
-            "ppo.py": [("--num_mini_batches", 0, "at least 1"), ("--gamma", 1.5, "in [0, 1]")]}.get(script, [])
+    bad = [
+        ("--gradient_accumulation_steps", -1, "at least 1"),
+        ("--max_steps", 0, "-1 (off) or at least 1"),
+        ("--per_device_train_batch_size", 0, "at least 1"),
+        ("--log_every", 0, "at least 1"),
+        ("--learning_rate", -1e-5, "above 0"),
+        ("--warmup_ratio", 1.5, "in [0, 1]"),
+    ]
+    bad += {
+        "dpo.py": [("--beta", -0.1, "0 or more"), ("--beta", 0.0, "above 0")],  # 0: dpo's own check
+        "grpo.py": [
+            ("--beta", -0.1, "0 or more"),
+            ("--num_mini_batches", 0, "at least 1"),
+            ("--temperature", 0.0, "above 0"),
+        ],
+        "ppo.py": [("--num_mini_batches", 0, "at least 1"), ("--gamma", 1.5, "in [0, 1]")],
+    }.get(script, [])
     for flag, value, allowed in bad:
         args = script_args(script, tmp_path / "no_model", toy / DATA[script], tmp_path / "out", "rm", flag, value)
         error, _ = run_in_process(script, args)
