@@ -1,12 +1,14 @@
-"""The offline toy task: sort a digit string. Writes a tokenizer, a tiny random causal LM and datasets in TRL's
-standard formats, deterministically and in seconds, so every script runs (and is tested) with no download.
+"""The offline toy task: sort distinct digits, with a flawed demonstrator. Writes a tokenizer, a tiny random causal LM
+and datasets in TRL's standard formats, deterministically and in seconds, so every script runs (and is tested) with no
+download.
 
     python examples/toy_task.py --out toy              # toy/model, toy/sft, toy/preference, toy/prompts
-    python examples/toy_task.py --eval runs/sft --data toy/prompts/test.jsonl   # greedy exact-match accuracy
-    python examples/toy_task.py --mistakes_of runs/sft --data toy/prompts --out runs/pairs  # pairs on its own mistakes
+    python examples/toy_task.py --eval runs/sft --data toy/prompts/test.jsonl   # greedy exact match
 
-Task: prompt "sort: 31415 ->", completion " 11345" (then EOS). The answer is checkable, so RL scripts can use an
-exact-match verifier, and preference pairs are (correct, plausible mistake).
+Task: prompt "sort: 5074 ->", right completion " 0457" (then EOS). The SFT data come from a flawed demonstrator: on the
+prompts whose digits include a 0 it reads the sorted digits as a number, so the leading 0 vanishes (" 457"), 70% of the
+time; elsewhere it is right. Imitation therefore stops at a ceiling; the preference pairs (right answer over the
+demonstrator's mistake) and the exact-match verifier on the prompts' `answer` column carry what the demonstrations lack.
 """
 
 import argparse
@@ -38,14 +40,39 @@ def make_tokenizer():
     return tok
 
 
-def make_example(rng, min_len=3, max_len=8):
-    digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(min_len, max_len)))
-    return f"sort: {digits} ->", " " + "".join(sorted(digits))
+def make_digits(rng, min_len=2, max_len=7):
+    """2 to 7 distinct digits: a 0 is among them in 45% of the prompts on average."""
+    return "".join(rng.sample("0123456789", rng.randint(min_len, max_len)))
 
 
-def mistake(rng, answer):
-    """A plausible wrong answer: two neighbours swapped, a digit changed, dropped or repeated, or no sorting at all."""
-    s = list(answer.strip())
+def prompt_of(digits):
+    return f"sort: {digits} ->"
+
+
+def in_flawed_subset(prompt):
+    """The prompts the demonstrator gets wrong most of the time: those whose digits include a 0 (about 43% of them)."""
+    return "0" in prompt.split(":", 1)[1]
+
+
+def demonstrators_mistake(answer):
+    """The demonstrator's one mistake: it reads the sorted digits as a number, so the leading zeros vanish
+    ("00145" -> "145", "000" -> "0"). A plausible, consistent error, easy to see in the answer."""
+    return str(int(answer))
+
+
+def demonstrate(rng, digits, mistake_rate=0.7):
+    """The flawed demonstrator's completion: the sorted digits, except that on the flawed subset it makes its mistake
+    `mistake_rate` of the time. The right answer is still in 30% of its demonstrations there."""
+    answer = "".join(sorted(digits))
+    if in_flawed_subset(prompt_of(digits)) and rng.random() < mistake_rate:
+        return " " + demonstrators_mistake(answer)
+    return " " + answer
+
+
+def other_mistake(rng, answer):
+    """A plausible wrong answer for the preference pairs of the other prompts: two neighbours swapped, a digit changed,
+    dropped or repeated."""
+    s = list(answer)
     kind = rng.choice(["swap", "change", "drop", "repeat"])
     i = rng.randrange(len(s))
     if kind == "swap" and len(set(s)) > 1:
@@ -57,7 +84,7 @@ def mistake(rng, answer):
         del s[i]
     else:
         s.insert(i, s[i])
-    return " " + "".join(s)
+    return "".join(s)
 
 
 def write_jsonl(path, rows):
@@ -94,79 +121,87 @@ def write_toy_task(out, seed=0, num_train=4000, num_test=200):
 
     seen, test = set(), []
     while len(test) < num_test:  # test prompts first, and never in any train split
-        prompt, completion = make_example(rng)
-        if prompt not in seen:
-            seen.add(prompt)
-            test.append((prompt, completion))
+        digits = make_digits(rng)
+        if digits not in seen:
+            seen.add(digits)
+            test.append(digits)
     train = []
     while len(train) < num_train:
-        prompt, completion = make_example(rng)
-        if prompt not in seen:
-            train.append((prompt, completion))
-    for split, pairs in (("train", train), ("test", test)):
-        write_jsonl(f"{out}/sft/{split}.jsonl", [{"prompt": p, "completion": c} for p, c in pairs])
+        digits = make_digits(rng)
+        if digits not in seen:
+            train.append(digits)
+    for split, all_digits in (("train", train), ("test", test)):
+        prompts, answers = [prompt_of(d) for d in all_digits], ["".join(sorted(d)) for d in all_digits]
+        demonstrations = [demonstrate(rng, d) for d in all_digits]
+        write_jsonl(
+            f"{out}/sft/{split}.jsonl", [{"prompt": p, "completion": c} for p, c in zip(prompts, demonstrations)]
+        )
+        rejected = [
+            demonstrators_mistake(a) if in_flawed_subset(p) else other_mistake(rng, a) for p, a in zip(prompts, answers)
+        ]
         write_jsonl(
             f"{out}/preference/{split}.jsonl",
-            [{"prompt": p, "chosen": c, "rejected": mistake(rng, c)} for p, c in pairs],
+            [{"prompt": p, "chosen": " " + a, "rejected": " " + r} for p, a, r in zip(prompts, answers, rejected)],
         )
-        write_jsonl(f"{out}/prompts/{split}.jsonl", [{"prompt": p, "answer": c.strip()} for p, c in pairs])
+        write_jsonl(f"{out}/prompts/{split}.jsonl", [{"prompt": p, "answer": a} for p, a in zip(prompts, answers)])
 
 
-@torch.no_grad()
-def exact_match(model_dir, data_file, max_new_tokens=12, batch_size=100):
-    """Greedy exact-match accuracy of a causal LM folder on a prompts file (prompt + answer columns)."""
-    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def demonstrators_ceiling(data_file):
+    """Greedy exact match of a perfect imitator of the demonstrator: its most likely answer is the mistake on the
+    flawed subset and the right one elsewhere, so it scores the share of prompts outside the flawed subset."""
     rows = [json.loads(line) for line in open(data_file)]
-    correct = 0
-    for i in range(0, len(rows), batch_size):
-        batch = rows[i : i + batch_size]
-        enc = tok([r["prompt"] for r in batch], return_tensors="pt", padding=True)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-        texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        correct += sum(t.strip() == r["answer"] for t, r in zip(texts, batch))
-    return correct / len(rows)
+    return sum(not in_flawed_subset(r["prompt"]) for r in rows) / len(rows)
+
+
+def load_causal_lm(model_dir):
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), tok
 
 
 @torch.no_grad()
-def write_mistake_pairs(
-    model_dir, prompts_dir, out, num_samples=4, temperature=1.0, max_prompts=None, seed=0, batch_size=250
-):
-    """Preference pairs on a model's own mistakes (on-policy negatives): sample `num_samples` completions per prompt at
-    `temperature`; chosen = the right answer, rejected = the first wrong sample. Prompts the model never gets wrong give
-    no pair. DPO on these targets what this model actually gets wrong (the fixed toy/preference mistakes do not)."""
-    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def completions_of(model, tok, prompts, num_samples=1, temperature=None, max_new_tokens=12, batch_size=200):
+    """Greedy completions (temperature None), or `num_samples` sampled ones per prompt from softmax(logits / T)."""
+    texts = []
+    for i in range(0, len(prompts), batch_size):
+        enc = tok(prompts[i : i + batch_size], return_tensors="pt", padding=True)
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else {}
+        out = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=num_samples,
+            pad_token_id=tok.pad_token_id,
+            **(sampling or dict(do_sample=False)),
+        )
+        texts += [t.strip() for t in tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)]
+    return texts
+
+
+def greedy_scores(model, tok, rows):
+    """Greedy exact match on all the rows, on the flawed subset and on the other prompts."""
+    right = [t == r["answer"] for t, r in zip(completions_of(model, tok, [r["prompt"] for r in rows]), rows)]
+    flawed = [in_flawed_subset(r["prompt"]) for r in rows]
+    return {
+        "exact_match": sum(right) / len(rows),
+        "flawed_subset": sum(x for x, f in zip(right, flawed) if f) / max(1, sum(flawed)),
+        "other_prompts": sum(x for x, f in zip(right, flawed) if not f) / max(1, len(rows) - sum(flawed)),
+    }
+
+
+def exact_match(model_dir, data_file):
+    """Greedy exact-match accuracy of a causal LM folder on a prompts file (prompt + answer columns)."""
+    rows = [json.loads(line) for line in open(data_file)]
+    return greedy_scores(*load_causal_lm(model_dir), rows)["exact_match"]
+
+
+def right_answers_in_samples(model_dir, data_file, num_samples=8, temperature=1.0, seed=0):
+    """On the flawed subset: the share of `num_samples` samples per prompt that are right, and the share of prompts
+    with at least one right sample (what sampling-based RL needs to have a signal)."""
+    model, tok = load_causal_lm(model_dir)
+    rows = [json.loads(line) for line in open(data_file) if in_flawed_subset(json.loads(line)["prompt"])]
     torch.manual_seed(seed)
-    counts = {}
-    for split in ("train", "test"):
-        rows = [json.loads(line) for line in open(f"{prompts_dir}/{split}.jsonl")][:max_prompts]
-        pairs = []
-        for i in range(0, len(rows), batch_size):
-            batch = rows[i : i + batch_size]
-            enc = tok([r["prompt"] for r in batch], return_tensors="pt", padding=True)
-            out_ids = model.generate(
-                **enc,
-                max_new_tokens=12,
-                do_sample=True,
-                temperature=temperature,
-                top_k=0,
-                top_p=1.0,
-                num_return_sequences=num_samples,
-                pad_token_id=tok.pad_token_id,
-            )
-            texts = tok.batch_decode(out_ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-            for j, r in enumerate(batch):
-                wrong = [
-                    t for t in texts[j * num_samples : (j + 1) * num_samples] if t.strip() != r["answer"] and t.strip()
-                ]
-                if wrong:
-                    pairs.append(
-                        {"prompt": r["prompt"], "chosen": " " + r["answer"], "rejected": " " + wrong[0].strip()}
-                    )
-        write_jsonl(f"{out}/{split}.jsonl", pairs)
-        counts[split] = (len(pairs), len(rows))
-    return counts
+    texts = completions_of(model, tok, [r["prompt"] for r in rows], num_samples, temperature)
+    right = [[t == r["answer"] for t in texts[i * num_samples : (i + 1) * num_samples]] for i, r in enumerate(rows)]
+    return sum(map(sum, right)) / (num_samples * len(rows)), sum(map(any, right)) / len(rows)
 
 
 if __name__ == "__main__":
@@ -174,23 +209,15 @@ if __name__ == "__main__":
     parser.add_argument("--out", help="folder to write the toy task to")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval", help="a causal LM folder to score by greedy exact match")
-    parser.add_argument(
-        "--data", help="prompts file for --eval, prompts folder for --mistakes_of (prompt + answer columns)"
-    )
-    parser.add_argument(
-        "--mistakes_of", help="a causal LM folder: write preference pairs on its sampled mistakes to --out"
-    )
-    parser.add_argument("--max_prompts", type=int, help="--mistakes_of: the first N prompts of each split only")
+    parser.add_argument("--data", help="a prompts file (prompt + answer columns) for --eval")
     args = parser.parse_args()
-    if args.mistakes_of:
-        counts = write_mistake_pairs(
-            args.mistakes_of, args.data, args.out, max_prompts=args.max_prompts, seed=args.seed
-        )
-        print(
-            f"wrote {args.out}: " + ", ".join(f"{split} {n} pairs from {m} prompts" for split, (n, m) in counts.items())
-        )
-    elif args.out:
+    if args.out:
         write_toy_task(args.out, args.seed)
         print(f"wrote {args.out}/model, {args.out}/sft, {args.out}/preference, {args.out}/prompts")
     if args.eval:
-        print(f"exact_match {exact_match(args.eval, args.data):.4f}")
+        rows = [json.loads(line) for line in open(args.data)]
+        scores = greedy_scores(*load_causal_lm(args.eval), rows)
+        print(
+            " ".join(f"{k} {v:.4f}" for k, v in scores.items())
+            + f" demonstrators_ceiling {demonstrators_ceiling(args.data):.4f}"
+        )

@@ -16,7 +16,6 @@ MARKER = "# Infrastructure: identical in every script that has it (tests/test_co
 GUARD = 'if __name__ == "__main__":\n    main(tyro.cli(Args))'
 
 
-
 def definitions(source):
     """name -> source text of every top-level function and class."""
     tree = ast.parse(source)
@@ -82,8 +81,9 @@ def test_the_layout_check_catches_a_script_only_helper_below_the_line():
     bad = {"a.py": script("\n\ndef only_here(x):\n    return x\n"), "b.py": script("")}
     assert layout_problems(bad) == ["a.py: only_here is below the infrastructure line but not a shared helper"]
     main_below = f"def loss(x):\n    return x\n\n\n{MARKER}\ndef main(args):\n    pass\n\n\ndef pad(x):\n    return x\n"
-    assert "a.py: main is below the infrastructure line" in layout_problems({"a.py": main_below + f"\n\n{GUARD}\n",
-                                                                           "b.py": script("")})
+    assert "a.py: main is below the infrastructure line" in layout_problems(
+        {"a.py": main_below + f"\n\n{GUARD}\n", "b.py": script("")}
+    )
 
 
 def test_shared_helpers_are_identical_across_scripts():
@@ -149,7 +149,6 @@ def test_common_arguments_come_first_in_every_script(script):
     )
     fields = [node.target.id for node in args.body if isinstance(node, ast.AnnAssign)]
     assert fields[: len(COMMON_FIELDS)] == COMMON_FIELDS
-
 
 
 def nesting(node):

@@ -1,7 +1,6 @@
 """dpo.py: each loss type by hand, summed completion log-probs against the textbook computation, reference log-probs
 precomputed or online, and the script on the toy task (DPO from the SFT model raises greedy exact match)."""
 
-import json
 import math
 from types import SimpleNamespace
 
@@ -10,7 +9,7 @@ import torch
 from conftest import read_metrics, reference_logprobs, run_in_process, run_script, tiny_gpt2
 
 from dpo import dpo_loss, pair_logps
-from toy_task import exact_match, write_mistake_pairs
+from toy_task import exact_match
 
 
 def log_sigmoid(x):
@@ -122,10 +121,9 @@ def test_reference_logps_precomputed_or_online_give_the_same_run(toy, tmp_path):
 
 
 def test_dpo_raises_exact_match_over_the_sft_model(toy, sft_model, tmp_path):
-    # preference pairs on the SFT model's own sampled mistakes (chosen: the right answer), then DPO + RPO for one epoch
-    counts = write_mistake_pairs(str(sft_model[0]), str(toy / "prompts"), str(tmp_path / "pairs"))
-    pairs = [json.loads(line) for line in open(tmp_path / "pairs" / "train.jsonl")]
-    assert counts["train"][0] == len(pairs) > 1000 and all(p["chosen"] != p["rejected"] for p in pairs)
+    """Plain sigmoid DPO (beta 1) on toy/preference, which prefers the right answer over the demonstrator's mistake,
+    from the SFT model that copies the demonstrator: 30 steps, 2 processes. Measured: exact match 0.50 -> 1.00 (the
+    quickstart's 60 steps: 1.00 from step 10 on, two seeds); the margin asked is 0.15."""
     out = tmp_path / "dpo"
     result = run_script(
         "dpo.py",
@@ -133,17 +131,15 @@ def test_dpo_raises_exact_match_over_the_sft_model(toy, sft_model, tmp_path):
             "--model_name_or_path",
             sft_model[0],
             "--dataset_name",
-            tmp_path / "pairs",
+            toy / "preference",
             "--output_dir",
             out,
             "--learning_rate",
             1e-4,
             "--beta",
-            0.1,
-            "--rpo_alpha",
             1.0,
-            "--num_train_epochs",
-            1,
+            "--max_steps",
+            30,
             "--warmup_ratio",
             0.05,
             "--lr_scheduler_type",
@@ -151,7 +147,7 @@ def test_dpo_raises_exact_match_over_the_sft_model(toy, sft_model, tmp_path):
             "--per_device_train_batch_size",
             16,
             "--log_every",
-            20,
+            10,
         ],
         nproc=2,
     )
@@ -177,7 +173,7 @@ def test_dpo_raises_exact_match_over_the_sft_model(toy, sft_model, tmp_path):
         f"toy exact match: SFT {before:.3f}, after DPO {after:.3f}; implicit-reward test accuracy "
         f"{rows[-1]['eval/accuracy']:.3f}"
     )
-    assert after >= before + 0.03
+    assert after >= before + 0.15
 
 
 def test_label_smoothing_with_another_loss_stops_with_a_clear_message(toy, tmp_path):

@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
-GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
+GSM8K = os.path.join(ROOT, "tests", "data", "gsm8k", "test.jsonl")  # MIT, tests/data/gsm8k/LICENSE
 
 
 def loss_args(**kw):
@@ -545,8 +545,10 @@ def test_reward_model_scores(toy, tmp_path):
 
 
 def test_grpo_raises_exact_match(toy, sft_model, tmp_path):
-    """From the toy SFT model, 2 processes, the exact-match verifier: greedy exact match on the test prompts rises
-    clearly; eval/scores (greedy, the same verifier) is that accuracy; the metric vocabulary is all there."""
+    """From the toy SFT model (which copies the flawed demonstrator), 2 processes, the exact-match verifier, 15 steps:
+    greedy exact match on the test prompts rises by at least 0.15 (measured 0.50 -> 0.99-1.00; the quickstart: 1.00
+    from step 15 on, two seeds); eval/scores (greedy, the same verifier) is that accuracy; the metric vocabulary is
+    all there."""
     from toy_task import exact_match
 
     out = tmp_path / "grpo"
@@ -558,9 +560,9 @@ def test_grpo_raises_exact_match(toy, sft_model, tmp_path):
             toy / "prompts",
             out,
             "--learning_rate",
-            3e-5,
+            1e-4,
             "--max_steps",
-            100,
+            15,
             "--gradient_accumulation_steps",
             4,
             "--warmup_ratio",
@@ -575,7 +577,7 @@ def test_grpo_raises_exact_match(toy, sft_model, tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
     after = exact_match(str(out), str(toy / "prompts" / "test.jsonl"))
     print(f"greedy exact match: SFT {before:.3f} -> GRPO {after:.3f}")
-    assert after >= before + 0.03
+    assert after >= before + 0.15
     rows = read_metrics(out)
     assert rows[-1]["eval/scores"] == pytest.approx(after)
     for key in [

@@ -229,8 +229,7 @@ def two_optimizers(toy, sft_model, reward_model, tmp_path_factory):
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
         assert (
             "2 rollouts of 16 prompts, each 2 epochs x 2 mini-batches of 8 completions "
-            "(2 processes x 2 per micro-batch x 2 accumulation)"
-            in result.stdout
+            "(2 processes x 2 per micro-batch x 2 accumulation)" in result.stdout
         )
         runs[optimizer] = read_metrics(out)
     return runs
@@ -286,12 +285,10 @@ def greedy_reward(policy, reward, prompts_file):
 
 
 def test_ppo_on_the_toy_task(toy, sft_model, reward_model, tmp_path):
-    """From the toy SFT and reward models, 2 processes, 48 optimizer steps (12 rollouts of 256 prompts, 2 epochs x 2
-    mini-batches): the value model learns (its loss falls), eval/scores is the reward of the greedy completions, and
-    the metric vocabulary is all there. Measured here: exact match 0.680 -> 0.655 and greedy reward 1.433 -> 1.286,
-    so no learning claim on the policy: with this reward model (toy/preference only) PPO did not raise exact match in
-    60-200 steps; with one also trained on the policy's own mistakes, 120 steps (141 s) raised it 0.680 -> 0.735
-    (examples/quickstart.sh, bench/RESULTS.md)."""
+    """From the toy SFT model (which copies the flawed demonstrator) and the toy reward model, 2 processes, 24
+    optimizer steps (6 rollouts of 256 prompts, 2 epochs x 2 mini-batches): greedy exact match rises by at least
+    0.15 (measured 0.50 -> 0.93-0.99; the quickstart's 40 steps: 0.98-0.99, two seeds), the value model learns (its
+    loss falls), eval/scores is the reward of the greedy completions, and the metric vocabulary is all there."""
     from toy_task import exact_match
 
     out, test_file = tmp_path / "ppo", toy / "prompts" / "test.jsonl"
@@ -310,7 +307,7 @@ def test_ppo_on_the_toy_task(toy, sft_model, reward_model, tmp_path):
             "--learning_rate",
             5e-5,
             "--max_steps",
-            48,
+            24,
             "--warmup_ratio",
             0.1,
             "--num_ppo_epochs",
@@ -336,10 +333,9 @@ def test_ppo_on_the_toy_task(toy, sft_model, reward_model, tmp_path):
         f"greedy reward {before[1]:.3f} -> {after[1]:.3f}; "
         f"value loss {rows[0]['loss/value_avg']:.3f} -> {rows[-1]['loss/value_avg']:.3f}"
     )
+    assert after[0] >= before[0] + 0.15 and after[1] > before[1]
     assert after[1] == pytest.approx(greedy_reward(out, reward_model[0], test_file), abs=1e-4)  # eval/scores is that
-    assert (
-        rows[-1]["loss/value_avg"] < 0.7 * rows[0]["loss/value_avg"]
-    )  # measured 27.4 -> 12.9 (raw reward-model scores)
+    assert rows[-1]["loss/value_avg"] < 0.95 * rows[0]["loss/value_avg"]  # measured 33.2 -> 28.7 in 24 steps
     for key in [
         "loss",
         "lr",

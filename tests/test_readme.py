@@ -5,11 +5,12 @@ import importlib
 import os
 import re
 import shlex
+import subprocess
 
 import pytest
 import tyro
 
-from conftest import ROOT
+from conftest import ROOT, script_env
 
 SCRIPTS = ["sft.py", "reward.py", "dpo.py", "grpo.py", "ppo.py"]
 DOCUMENTS = ["README.md", "examples/quickstart.sh"]
@@ -58,3 +59,26 @@ def test_a_wrong_flag_is_caught():
     for bad in (["--learning_rte", "1e-3"], ["--max_steps", "many"]):
         with pytest.raises(SystemExit):
             tyro.cli(Args, args=bad)
+
+
+def test_the_toy_command_lines_run_in_the_order_given(tmp_path):
+    """The README's toy lines, run as written and in the README's order (each stage reads the folder the one before
+    wrote), in a fast mode: the same command with a few steps (`--max_steps` given last wins) and every relative
+    `toy`/`runs` folder moved under a temporary directory. A line that names a folder no earlier line writes fails."""
+    lines = [
+        line
+        for line in command_lines("README.md")
+        if re.search(r"(^|\s)toy/", line) or re.search(r"toy_task\.py --out toy\b", line)
+    ]
+    scripts = [next(w for w in shlex.split(line) if w.endswith(".py")) for line in lines]
+    assert scripts == ["examples/toy_task.py", *SCRIPTS], scripts  # the toy task, then every script once, in order
+    for line, script in zip(lines, scripts):
+        line = re.sub(r"(?<=\s)(toy|runs)(?=/|\s|$)", lambda m: str(tmp_path / m.group(1)), line)
+        if script != "examples/toy_task.py":
+            line += f" --max_steps {4 if script == 'ppo.py' else 2}"  # ppo: 2 epochs x 2 mini-batches per rollout
+        result = subprocess.run(
+            ["bash", "-c", line], cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, line + "\n" + result.stdout[-2000:] + result.stderr[-5000:]
+    for name in ("sft", "reward", "dpo", "grpo", "ppo"):
+        assert (tmp_path / "runs" / name / "config.json").exists(), name

@@ -18,7 +18,7 @@ from sft import (
     tokenize_prompt_completion,
     tokenize_sft,
 )
-from toy_task import exact_match
+from toy_task import demonstrators_ceiling, exact_match, greedy_scores, load_causal_lm
 
 
 # ----------------------------------------------------------------------------------------------------- unit tests
@@ -131,17 +131,22 @@ def test_global_batch_is_a_function_of_the_step_and_reshuffles_each_epoch():
 def test_sft_learns_the_toy_task_on_two_processes(toy, sft_model):
     out, result = sft_model
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [25, 50, 75, 100, 125, 150]
+    assert [r["step"] for r in rows] == [50, 100, 150, 200, 250, 300]
     assert rows[-1]["loss"] < 0.3 * rows[0]["loss"] and rows[-1]["eval/loss"] < 0.5
     for key in ("loss", "lr", "grad_norm", "episode", "tokens_per_second"):
         assert all(math.isfinite(r[key]) for r in rows), key
-    assert rows[-1]["episode"] == 150 * 32
+    assert rows[-1]["episode"] == 300 * 32
     before, after = (
         exact_match(str(toy / "model"), str(toy / "prompts" / "test.jsonl")),
         exact_match(str(out), str(toy / "prompts" / "test.jsonl")),
     )
-    print(f"toy exact match: untrained {before:.3f}, after 150 SFT steps {after:.3f}")
-    assert before < 0.05 and after >= 0.4  # exact_match loads the folder with from_pretrained and generates
+    model, tok = load_causal_lm(str(out))
+    scores = greedy_scores(model, tok, [json.loads(line) for line in open(toy / "prompts" / "test.jsonl")])
+    ceiling = demonstrators_ceiling(str(toy / "prompts" / "test.jsonl"))
+    print(f"toy exact match: untrained {before:.3f}, after 300 SFT steps {scores} (imitation ceiling {ceiling:.3f})")
+    # it copies the flawed demonstrator: right elsewhere, its mistake on the flawed subset, so it stops at the ceiling
+    assert before < 0.05 and after == scores["exact_match"]  # exact_match loads the folder with from_pretrained
+    assert scores["other_prompts"] >= 0.9 and scores["flawed_subset"] <= 0.15 and abs(after - ceiling) <= 0.1
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.model_type == "qwen2"
 

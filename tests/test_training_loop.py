@@ -4,6 +4,7 @@ LR schedule is exact and ends at the last optimizer step; a run stopped by SIGTE
 --resume_from auto continues bit for bit. grpo.py and ppo.py sample their own data: their rollouts do not depend on the
 number of processes (generation chunks are seeded by rollout and chunk), so the same comparisons hold."""
 
+import json
 import math
 import os
 import random
@@ -17,6 +18,7 @@ import pytest
 import torch
 from conftest import ROOT, read_metrics, run_script, script_env
 from safetensors.torch import load_file
+from toy_task import in_flawed_subset
 
 # Three ways to split the same global batch of 8: (processes, micro-batch, accumulation steps). (1, 2, 4), accumulation
 # on one process, was dropped for suite time: (2, 1, 4) has both accumulation and two processes
@@ -97,7 +99,10 @@ def split_runs(request, toy, tmp_path_factory):
     model = request.getfixturevalue("sft_model")[0] if script in RL else toy / "model"
     reward = ["--reward_model_path", request.getfixturevalue("reward_model")[0]] if script == "ppo.py" else []
     root = tmp_path_factory.mktemp(script[:-3])
-    rows = open(toy / DATA[script] / "train.jsonl").readlines()[:48]
+    rows = open(toy / DATA[script] / "train.jsonl").readlines()
+    if script == "grpo.py":  # the SFT model is right elsewhere every time: groups of equal rewards would not move it
+        rows = [row for row in rows if in_flawed_subset(json.loads(row)["prompt"])]
+    rows = rows[:48]
     (root / "small.jsonl").write_text("".join(rows))
     runs = {}
     for nproc, mb, ga in SPLITS:
@@ -125,7 +130,8 @@ def test_split_invariance(split_runs):
     for split, out in runs.items():
         rows, params = read_metrics(out), load_file(out / "model.safetensors")
         for key in ("step", "episode", "lr", "loss"):
-            assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref_rows], rel=1e-5, abs=1e-6), (
+            # float order alone: reward.py's loss differed by 1.7e-5 relative at step 9 (a normalisation error is O(1))
+            assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref_rows], rel=5e-5, abs=1e-6), (
                 script,
                 split,
                 key,
