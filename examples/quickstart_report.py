@@ -26,6 +26,7 @@ from toy_task import (  # noqa: E402
     in_flawed_subset,
     load_causal_lm,
     right_answers_in_samples,
+    subset_scores,
 )
 
 POLICY_STAGES = {
@@ -143,16 +144,10 @@ def report(out, toy):
     model, tok = load_causal_lm(os.path.join(toy, "model"))
     untrained = greedy_scores(model, tok, rows)
     ceiling = demonstrators_ceiling(test_file)
-    demonstrations = read_jsonl(
-        os.path.join(toy, "sft", "test.jsonl")
-    )  # the demonstrator's answers to the same prompts
-    flawed = [in_flawed_subset(r["prompt"]) for r in rows]
+    # the demonstrator's own answers to the same prompts (toy/sft/test.jsonl)
+    demonstrations = read_jsonl(os.path.join(toy, "sft", "test.jsonl"))
     right = [d["completion"].strip() == r["answer"] for d, r in zip(demonstrations, rows)]
-    demonstrator = {
-        "exact_match": sum(right) / len(rows),
-        "flawed_subset": sum(x for x, f in zip(right, flawed) if f) / sum(flawed),
-        "other_prompts": sum(x for x, f in zip(right, flawed) if not f) / (len(rows) - sum(flawed)),
-    }
+    demonstrator = subset_scores(right, [r["prompt"] for r in rows])
     table_rows = [
         {"stage": "untrained model", **untrained},
         {"stage": "the demonstrator (its answers to the test prompts)", **demonstrator},
@@ -201,7 +196,7 @@ def report(out, toy):
             + f" | {pairs} | {cell(r.get('seconds'), '.0f', ' s')} | {cell(r.get('peak_gib'), '.2f', ' GiB')} |"
         )
     table.append(f"| **total** | | | | | **{total:.0f} s** | {peak:.2f} GiB |")
-    flawed_count = sum(flawed)
+    flawed_count = sum(in_flawed_subset(r["prompt"]) for r in rows)
     text = "\n".join(table) + (
         f"\n\nGreedy exact match on {len(rows)} test prompts ({flawed_count} in the flawed subset: their digits include"
         f" a 0). The SFT model's samples on the flawed subset (temperature 1, 8 per prompt): {samples[0]:.1%} right;"

@@ -176,15 +176,20 @@ def completions_of(model, tok, prompts, num_samples=1, temperature=None, max_new
     return texts
 
 
+def subset_scores(right, prompts):
+    """The share of right answers on all the prompts, on the flawed subset and on the other prompts."""
+    flawed = [in_flawed_subset(p) for p in prompts]
+    return {
+        "exact_match": sum(right) / len(right),
+        "flawed_subset": sum(x for x, f in zip(right, flawed) if f) / max(1, sum(flawed)),
+        "other_prompts": sum(x for x, f in zip(right, flawed) if not f) / max(1, len(right) - sum(flawed)),
+    }
+
+
 def greedy_scores(model, tok, rows):
     """Greedy exact match on all the rows, on the flawed subset and on the other prompts."""
-    right = [t == r["answer"] for t, r in zip(completions_of(model, tok, [r["prompt"] for r in rows]), rows)]
-    flawed = [in_flawed_subset(r["prompt"]) for r in rows]
-    return {
-        "exact_match": sum(right) / len(rows),
-        "flawed_subset": sum(x for x, f in zip(right, flawed) if f) / max(1, sum(flawed)),
-        "other_prompts": sum(x for x, f in zip(right, flawed) if not f) / max(1, len(rows) - sum(flawed)),
-    }
+    prompts = [r["prompt"] for r in rows]
+    return subset_scores([t == r["answer"] for t, r in zip(completions_of(model, tok, prompts), rows)], prompts)
 
 
 def exact_match(model_dir, data_file):
