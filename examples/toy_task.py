@@ -162,15 +162,17 @@ def load_causal_lm(model_dir):
 def completions_of(model, tok, prompts, num_samples=1, temperature=None, max_new_tokens=12, batch_size=200):
     """Greedy completions (temperature None), or `num_samples` sampled ones per prompt from softmax(logits / T)."""
     texts = []
+    sampling = (
+        dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)
+    )
     for i in range(0, len(prompts), batch_size):
         enc = tok(prompts[i : i + batch_size], return_tensors="pt", padding=True)
-        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else {}
         out = model.generate(
             **enc,
             max_new_tokens=max_new_tokens,
             num_return_sequences=num_samples,
             pad_token_id=tok.pad_token_id,
-            **(sampling or dict(do_sample=False)),
+            **sampling,
         )
         texts += [t.strip() for t in tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)]
     return texts
@@ -202,7 +204,7 @@ def right_answers_in_samples(model_dir, data_file, num_samples=8, temperature=1.
     """On the flawed subset: the share of `num_samples` samples per prompt that are right, and the share of prompts
     with at least one right sample (what sampling-based RL needs to have a signal)."""
     model, tok = load_causal_lm(model_dir)
-    rows = [json.loads(line) for line in open(data_file) if in_flawed_subset(json.loads(line)["prompt"])]
+    rows = [r for r in map(json.loads, open(data_file)) if in_flawed_subset(r["prompt"])]
     torch.manual_seed(seed)
     texts = completions_of(model, tok, [r["prompt"] for r in rows], num_samples, temperature)
     right = [[t == r["answer"] for t in texts[i * num_samples : (i + 1) * num_samples]] for i, r in enumerate(rows)]

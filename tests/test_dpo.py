@@ -122,8 +122,8 @@ def test_reference_logps_precomputed_or_online_give_the_same_run(toy, tmp_path):
 
 def test_dpo_raises_exact_match_over_the_sft_model(toy, sft_model, tmp_path):
     """Plain sigmoid DPO (beta 1) on toy/preference, which prefers the right answer over the demonstrator's mistake,
-    from the SFT model that copies the demonstrator: 30 steps, 2 processes. Measured: exact match 0.50 -> 1.00 (the
-    quickstart's 60 steps: 1.00 from step 10 on, two seeds); the margin asked is 0.15."""
+    from the SFT model that copies the demonstrator: 30 steps, 2 processes. In the quickstart (60 steps, two seeds)
+    exact match went 0.505 -> 0.995 and 0.560 -> 0.980 by step 10; the margin asked is 0.15."""
     out = tmp_path / "dpo"
     result = run_script(
         "dpo.py",
