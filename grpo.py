@@ -1,16 +1,14 @@
 """Group Relative Policy Optimization (GRPO) in one file: for each prompt, sample a group of completions, score them
 (a verifier and/or a reward model), take each reward relative to its group as the advantage of every token of the
 completion, and optimise PPO's clipped surrogate with a KL penalty to the reference model in the loss. No value model.
-Paper: arXiv:2402.03300 (DeepSeekMath, Sec. 4.1). Also: DAPO (arXiv:2503.14476: --epsilon_high, --loss_type token) and
-Dr. GRPO (arXiv:2503.20783: --scale_rewards none, --loss_type constant). What differs from the paper: (1) the default
---loss_type token averages over all the tokens of a mini-batch (DAPO); the paper's mean per sequence, then over
-sequences, is --loss_type sequence; (2) outcome rewards only (one reward per completion); (3) a group whose rewards are
-all equal gets exactly 0 advantage; (4) rollouts depend on the seed, the rollout and the generation chunk, not on the
-number of processes, so a run is reproducible on another number of GPUs and resumes bit for bit.
-Read `main` first; the functions below the Infrastructure line are the same in every script and can be skipped.
-Run:  torchrun --nproc_per_node 2 grpo.py --model_name_or_path runs/sft --dataset_name toy/prompts \
-          --output_dir runs/grpo --reward_fn exact_match --learning_rate 3e-5 --max_steps 100 \
-          --gradient_accumulation_steps 4 --max_completion_length 12
+Paper: arXiv:2402.03300 (DeepSeekMath, Sec. 4.1). Variants, a flag or two each: DAPO (--epsilon_high, --loss_type
+token), Dr. GRPO (--scale_rewards none, --loss_type constant), GSPO (--importance_sampling_level sequence), CISPO
+(--policy_loss cispo), RLOO, REINFORCE++ (--advantage_estimator). Unlike the paper: (1) --loss_type token (DAPO's mean
+over a mini-batch's tokens) is the default; the paper's is --loss_type sequence; (2) outcome rewards only; (3) a group
+of equal rewards gets exactly 0 advantage (grpo, rloo); (4) rollouts depend on the seed, rollout and generation chunk,
+not on the number of processes (reproducible on any GPU count, resumed bit for bit). Read `main` first.
+Run:  torchrun --nproc_per_node 2 grpo.py --model_name_or_path runs/sft --dataset_name toy/prompts --max_steps 30 \
+          --output_dir runs/grpo --learning_rate 1e-4 --gradient_accumulation_steps 4 --max_completion_length 10
       torchrun --nproc_per_node 8 grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
           --dataset_name gsm8k_prompts.jsonl --reward_fn gsm8k --max_completion_length 512 --track
 """
@@ -18,6 +16,7 @@ Run:  torchrun --nproc_per_node 2 grpo.py --model_name_or_path runs/sft --datase
 import collections
 import contextlib
 import decimal
+import fcntl
 import functools
 import json
 import math
@@ -44,8 +43,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from tqdm import tqdm
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig,
-                          get_scheduler)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          GenerationConfig, get_scheduler)
 
 from adam_tf import AdamTF
 
@@ -65,6 +64,8 @@ class Args:
     """the wandb entity (team)"""
     output_dir: str = "runs/grpo"
     """where the final Hugging Face model folder, checkpoints and metrics.jsonl are written"""
+    overwrite_output_dir: bool = False
+    """replace a previous run in output_dir (removing its metrics, checkpoints, model), which is refused otherwise"""
     model_name_or_path: str = "runs/sft"
     """a hub id or a local Hugging Face model folder: the SFT model the policy starts from (and the reference)"""
     dataset_name: str = "toy/prompts"
@@ -127,21 +128,10 @@ class Args:
     max_completion_length: int = 256
     """new tokens per completion; a completion with no EOS by then is truncated (see missing_eos_penalty)"""
 
-    # batch sizes: a rollout samples num_generations completions for each of its prompts, then makes
-    # num_iterations passes over them, each pass num_mini_batches optimizer steps of batch_size completions
-    world_size: Optional[int] = None
-    """number of processes (computed)"""
-    local_batch_size: Optional[int] = None
-    """completions per process per optimizer step = per_device_train_batch_size x gradient_accumulation_steps
-    (computed)"""
-    batch_size: Optional[int] = None
-    """global mini-batch: completions per optimizer step = local_batch_size x world_size (computed)"""
-    rollout_batch_size: Optional[int] = None
-    """completions per rollout = batch_size x num_mini_batches (computed)"""
-    num_prompts_per_rollout: Optional[int] = None
-    """prompts per rollout = rollout_batch_size / num_generations (computed)"""
-    num_training_steps: Optional[int] = None
-    """total optimizer steps = rollouts x num_iterations x num_mini_batches, fixed before training (computed)"""
+    # batch sizes, computed at start (not flags): a rollout has num_prompts_per_rollout prompts x num_generations
+    # completions = rollout_batch_size; num_iterations passes over it, each num_mini_batches optimizer steps of
+    # batch_size = world_size x local_batch_size (per_device_train_batch_size x gradient_accumulation_steps)
+    # completions; num_training_steps = rollouts x num_iterations x num_mini_batches, fixed before training
 
     # RL: rollouts and rewards
     num_generations: int = 8
@@ -173,9 +163,20 @@ class Args:
     mask_truncated_completions: bool = False
     """leave completions without EOS out of the loss (DAPO's overlong filtering); they still count in their group"""
 
-    # GRPO
+    # GRPO and its variants (the README's table: which flags give which method)
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
+    """grpo: r - group mean, scaled per scale_rewards; rloo: r - the mean of the other G - 1 of its group
+    (arXiv:2402.14740); reinforce_plus_plus: r whitened over the rollout's tokens (REINFORCE++, arXiv:2501.03262);
+    _baseline: r - group mean, then whitened (verl's names and formulas)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    """advantage = (reward - group mean) / std, std over the group, over the whole rollout (batch) or none (Dr. GRPO)"""
+    """grpo only: advantage = (reward - group mean) / std, std over the group, over the whole rollout (batch) or none
+    (Dr. GRPO)"""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token: a ratio pi / pi_old per token; sequence: GSPO's (arXiv:2507.18071) exp(mean of log pi - log pi_old over
+    the completion's tokens), one clipped ratio per completion (GSPO pairs it with --loss_type sequence)"""
+    policy_loss: Literal["clip", "cispo"] = "clip"
+    """clip: PPO's clipped surrogate; cispo: -sg(min(ratio, 1 + epsilon_high)) A log pi (CISPO, arXiv:2506.13585):
+    the weight is clipped, no token leaves the gradient (TRL's cispo with epsilon_high E is ours with E - 1)"""
     epsilon: float = 0.2
     """clip range: the ratio pi / pi_old is clipped to [1 - epsilon, 1 + epsilon_high]"""
     epsilon_high: Optional[float] = None
@@ -185,55 +186,57 @@ class Args:
     kl_estimator: Literal["k1", "k2", "k3", "k1_ratio"] = "k3"
     """the per-token KL estimate in the loss (see kl_estimate); objective/kl is always logged with k3"""
     loss_type: Literal["token", "sequence", "constant"] = "token"
-    """what the summed per-token loss is divided by: token: the mini-batch's completion tokens (DAPO); sequence: each
-    completion's length, then the number of completions (the paper); constant: completions x max_completion_length
-    (Dr. GRPO)"""
+    """the summed per-token loss divided by: token: the mini-batch's completion tokens (DAPO); sequence: each
+    completion's length, then the completions (the paper); constant: completions x max_completion_length (Dr. GRPO)"""
 NUMBER = r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?"  # 1,234.5 or 1234.5, with an optional minus sign
 
 
 def parse_answer(text, reward_fn):
     """The final answer of a text as a Decimal (18 = 18.0 = 18.00), or None: for gsm8k the number after '#### '
     (GSM8K's answer line, thousands separators allowed), otherwise the last number in the text."""
-    if reward_fn == "gsm8k":
-        match = re.search(rf"####\s*\$?\s*({NUMBER})", text)
-        found = [match.group(1)] if match else []
-    else:
-        found = re.findall(NUMBER, text)
-    return decimal.Decimal(found[-1].replace(",", "")) if found else None
+    found = re.findall(rf"####\s*\$?\s*({NUMBER})" if reward_fn == "gsm8k" else NUMBER, text)
+    return decimal.Decimal(found[0 if reward_fn == "gsm8k" else -1].replace(",", "")) if found else None
 
 
 def verifier_reward(completion, answer, reward_fn):
     """1.0 if the completion's answer is the right one, else 0.0. The answer column may hold the final answer or a
     whole GSM8K solution ending with '#### N'."""
-    answer = str(answer)
     if reward_fn == "exact_match":
         return float(completion.strip() == answer.strip())
     got = parse_answer(completion, reward_fn)
     return float(got is not None and got == parse_answer(answer, "gsm8k" if "####" in answer else "last_number"))
 
 
-def group_advantages(rewards, num_generations, scale_rewards):
-    """Outcome supervision, Sec. 4.1.2 of arXiv:2402.03300: A = (r - mean of its group) / (std of its group + 1e-4),
-    given to every token of the completion. batch: the std of the whole rollout instead; none: no division (Dr. GRPO:
-    dividing by the std up-weights the prompts that are almost always or almost never solved). The std is the sample
-    std (Bessel). A group whose rewards are all equal has nothing to compare: exactly 0. Rewards are grouped by
-    consecutive rows. Returns the advantages and a flag per group: all rewards equal."""
+def group_advantages(rewards, num_tokens, num_generations, args):
+    """One advantage per completion, for each of its tokens (outcome supervision, Sec. 4.1.2 of arXiv:2402.03300).
+    grpo: (r - group mean) / (group std + 1e-4), the rollout's std (batch) or no division (none: Dr. GRPO; the std
+    up-weights prompts almost always or never solved); sample std (Bessel). rloo: r - mean of the other G - 1 =
+    G / (G - 1) (r - group mean). Both give a group of equal rewards exactly 0. reinforce_plus_plus(_baseline): r (minus
+    the group mean) whitened, each completion weighted by its `num_tokens` in the loss (verl's masked_whiten). Groups
+    are consecutive rows. Returns the advantages and a flag per group: all rewards equal."""
     groups = rewards.view(-1, num_generations)
-    advantages = groups - groups.mean(1, keepdim=True)
-    if scale_rewards == "group":
-        advantages = advantages / (groups.std(1, keepdim=True) + 1e-4)
-    elif scale_rewards == "batch":
-        advantages = advantages / (rewards.std() + 1e-4)
     zero_std = groups.max(1).values == groups.min(1).values
+    advantages = groups - groups.mean(1, keepdim=True)
+    if args.advantage_estimator.startswith("reinforce_plus_plus"):
+        x = (rewards if args.advantage_estimator == "reinforce_plus_plus" else advantages.flatten()).double()
+        w = num_tokens.double()  # verl's masked_whiten: mean and unbiased variance over the tokens
+        mean = (w * x).sum() / w.sum().clamp(min=1)
+        variance = (w * (x - mean) ** 2).sum() / (w.sum() - 1).clamp(min=1)
+        return ((x - mean) * torch.rsqrt(variance + 1e-8)).to(rewards.dtype), zero_std
+    if args.advantage_estimator == "rloo":
+        advantages = advantages * num_generations / (num_generations - 1)
+    elif args.scale_rewards == "group":
+        advantages = advantages / (groups.std(1, keepdim=True) + 1e-4)
+    elif args.scale_rewards == "batch":
+        advantages = advantages / (rewards.std() + 1e-4)
     return advantages.masked_fill(zero_std[:, None], 0.0).flatten(), zero_std
 
 
 def kl_estimate(logps, ref_logps, old_logps, kl_estimator):
-    """Per-token estimate of KL(pi || pi_ref) from tokens sampled by pi_old, with d = logp - logp_ref (Schulman,
-    http://joschu.net/blog/kl-approx.html). On-policy, k1 = d and k3 = exp(-d) - 1 + d (Eq. 4 of arXiv:2402.03300,
-    never negative) have the right expected value; k2 = d^2 / 2 has the right expected gradient, while k1's is 0 and
-    k3's is the gradient of KL(pi_ref || pi). k1_ratio = (pi / pi_old) d, importance-weighted, has the right value and
-    gradient also for samples from an older policy (num_iterations > 1)."""
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled by pi_old, d = logp - logp_ref (Schulman,
+    http://joschu.net/blog/kl-approx.html). On-policy, k1 = d and k3 = exp(-d) - 1 + d (Eq. 4 of arXiv:2402.03300, never
+    negative) have the right expected value; k2 = d^2 / 2 the right expected gradient (k1's is 0, k3's that of
+    KL(pi_ref || pi)). k1_ratio = (pi / pi_old) d: the right value and gradient also off-policy (num_iterations > 1)."""
     d = logps - ref_logps
     if kl_estimator == "k1":
         return d
@@ -245,10 +248,9 @@ def kl_estimate(logps, ref_logps, old_logps, kl_estimator):
 
 
 def loss_normaliser(completion_mask, args):
-    """What the summed loss of a global mini-batch is divided by, counted over all of it (every process and
-    accumulation step), so that how it is split does not change the update. token: its completion tokens (Eq. 12 of
-    arXiv:2503.14476); sequence: its completions with a token in the loss; constant: completions x
-    max_completion_length."""
+    """What the summed loss of a global mini-batch is divided by, counted over all of it (every process and accumulation
+    step) so that the split does not change the update. token: its completion tokens (Eq. 12 of arXiv:2503.14476);
+    sequence: its completions with a token in the loss; constant: completions x max_completion_length."""
     if args.loss_type == "token":
         return completion_mask.sum().clamp(min=1)
     if args.loss_type == "sequence":
@@ -257,16 +259,19 @@ def loss_normaliser(completion_mask, args):
 
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, args):
-    """Eq. 3 of arXiv:2402.03300 as a loss: per token -min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A)
-    + beta KL, with ratio = pi / pi_old, summed over the tokens in `mask` (for loss_type sequence, each completion's sum
-    divided by its length) and divided by loss_normaliser of the global mini-batch. Returns the loss, and the ratio
-    and the clipped-surrogate loss per token for the statistics."""
-    ratio = torch.exp(logps - old_logps)
-    clipped = ratio.clamp(1 - args.epsilon, 1 + args.epsilon_high)
-    policy_loss = -torch.min(ratio * advantages[:, None], clipped * advantages[:, None])
-    per_token = policy_loss
-    if args.beta > 0:
-        per_token = per_token + args.beta * kl_estimate(logps, ref_logps, old_logps, args.kl_estimator)
+    """Eq. 3 of arXiv:2402.03300 as a loss: per token -min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A) (or
+    CISPO's) + beta KL, ratio = pi / pi_old (per token, or GSPO's per completion), summed over `mask` (sequence: each
+    completion's sum over its length), over the global mini-batch's loss_normaliser. Returns it, ratio, policy loss."""
+    log_ratio, A = logps - old_logps, advantages[:, None]
+    if args.importance_sampling_level == "sequence":  # GSPO, Eq. 7 of arXiv:2507.18071: one ratio per completion
+        log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    ratio = torch.exp(log_ratio)
+    if args.policy_loss == "cispo":  # Eq. 4 of arXiv:2506.13585 with no lower bound on the weight (as the paper ran)
+        policy_loss = -ratio.clamp(max=1 + args.epsilon_high).detach() * A * logps
+    else:
+        policy_loss = -torch.min(ratio * A, ratio.clamp(1 - args.epsilon, 1 + args.epsilon_high) * A)
+    kl = args.beta * kl_estimate(logps, ref_logps, old_logps, args.kl_estimator) if args.beta > 0 else 0.0
+    per_token = policy_loss + kl
     if args.loss_type == "sequence":
         return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / normaliser, ratio, policy_loss
     return (per_token * mask).sum() / normaliser, ratio, policy_loss
@@ -289,8 +294,7 @@ def rewards_of(prompts, completions, answers, reward_model, tokenizer, pad_token
 
 @torch.no_grad()
 def evaluate(model, reward_model, test, tokenizer, pad_token_id, args, rank):
-    """Mean reward of greedy completions of the test prompts, each rank its share (with the exact-match verifier
-    alone: the exact-match accuracy)."""
+    """Mean reward of greedy completions of the test prompts, each rank its share (exact-match verifier: accuracy)."""
     device = next(model.parameters()).device
     total = torch.zeros((), device=device)
     with unsharded(model, keep=not args.reshard_after_forward):
@@ -307,12 +311,10 @@ def evaluate(model, reward_model, test, tokenizer, pad_token_id, args, rank):
 
 @torch.no_grad()
 def score_rollout(model, ref_model, reward_model, rollout, tokenizer, pad_token_id, args, rank):
-    """The rewards of a rollout's completions, and the reference and old log-probs of their tokens (old: only for
-    num_iterations > 1; with one iteration the old policy is the current one, detached): each rank its share in
-    micro-batches of local_rollout_forward_batch_size, summed over ranks."""
-    prompts, completions = rollout["prompts"], rollout["completions"]
+    """Rewards, reference and old log-probs (old: num_iterations > 1 only; else the current policy's, detached) of a
+    rollout's completions: each rank its share in micro-batches of local_rollout_forward_batch_size, summed."""
+    prompts, completions, device = rollout["prompts"], rollout["completions"], next(model.parameters()).device
     n, width = len(prompts), args.max_completion_length
-    device = next(model.parameters()).device
     rewards = torch.zeros(n, device=device)
     ref_logps = torch.zeros(n, width, device=device) if ref_model is not None else None
     old_logps = torch.zeros(n, width, device=device) if args.num_iterations > 1 else None
@@ -332,9 +334,8 @@ def score_rollout(model, ref_model, reward_model, rollout, tokenizer, pad_token_
 
 
 def accumulate_gradients(model, rollout, mini, normaliser, args, rank, sums, pad_token_id):
-    """The gradients of one optimizer step: this rank's micro-batches of the global mini-batch `mini`, each loss
-    divided by the normaliser of the whole mini-batch, so the split does not change the update. The statistics (sums
-    over the tokens in the loss; kl per completion) go into `sums`. Returns this rank's part of the step's loss."""
+    """One optimizer step's gradients: this rank's micro-batches of the global mini-batch `mini`, each loss over the
+    whole mini-batch's normaliser (split-invariant); statistics summed into `sums`. Returns this rank's loss part."""
     device = next(model.parameters()).device
     step_loss = torch.zeros((), device=device)
     for micro in micro_batches(mini, args, rank):
@@ -354,8 +355,8 @@ def accumulate_gradients(model, rollout, mini, normaliser, args, rank, sums, pad
             A = advantages[:, None]
             kl = kl_estimate(logps, ref, old, "k3") if ref is not None else torch.zeros_like(logps)
             token_stats = {"policy_loss": policy_loss, "approxkl": 0.5 * (logps - old) ** 2, "entropy": entropy,
-                           "clip_low": (ratio < 1 - args.epsilon) & (A < 0), "ratio": ratio, "ratio_sq": ratio**2,
-                           "clip_high": (ratio > 1 + args.epsilon_high) & (A > 0), "kl": kl}
+                           "clip_low": (ratio < 1 - args.epsilon) & (A < 0) & (args.policy_loss == "clip"), "kl": kl,
+                           "clip_high": (ratio > 1 + args.epsilon_high) & (A > 0), "ratio": ratio, "ratio_sq": ratio**2}
             for name, values in token_stats.items():
                 sums[name] += (values * mask).sum()
             sums["loss"] += loss.detach()
@@ -377,6 +378,8 @@ def main(args):
     args.num_prompts_per_rollout = args.rollout_batch_size // G
     if args.reward_fn is None and args.reward_model_path is None:
         raise ValueError("no reward: set --reward_fn, --reward_model_path, or both")
+    if args.scale_rewards != "group" and args.advantage_estimator != "grpo":
+        raise ValueError(f"--scale_rewards applies to --advantage_estimator grpo only (got {args.advantage_estimator})")
 
     # 2. data: every rank tokenises the same prompts, so each knows the whole rollout
     tokenizer, pad_token_id = load_tokenizer(args)
@@ -418,11 +421,11 @@ def main(args):
         rewards, rollout["ref_logps"], rollout["old_logps"] = score_rollout(model, ref_model, reward_model, rollout,
                                                                             tokenizer, pad_token_id, args, rank)
 
-        # 4. advantages, and the tokens in the loss
-        rollout["advantages"], zero_std = group_advantages(rewards, G, args.scale_rewards)
+        # 4. the tokens in the loss, and the advantages
         rollout["loss_mask"] = (torch.arange(args.max_completion_length, device=device) < lengths[:, None]).float()
         if args.mask_truncated_completions:
             rollout["loss_mask"] *= ended[:, None]
+        rollout["advantages"], zero_std = group_advantages(rewards, rollout["loss_mask"].sum(1), G, args)
         rollout_stats = {"objective/scores": rewards.mean(), "completions/mean_length": lengths.float().mean(),
                          "val/num_eos_tokens": ended.sum(), "completions/clipped_ratio": 1 - ended.float().mean(),
                          "frac_reward_zero_std": zero_std.float().mean()}
@@ -520,15 +523,52 @@ def setup(args):
         torch.cuda.set_device(device)
     signal.signal(signal.SIGTERM, request_stop)  # preemption: checkpoint at the next optimizer step, then leave
     signal.signal(signal.SIGINT, request_stop)
-    if args.resume_from == "auto":  # the latest complete checkpoint; None: nothing to continue, start at step 0
+    auto = args.resume_from == "auto"
+    if auto:  # the latest complete checkpoint; None: nothing to continue, start at step 0
         args.resume_from = (complete_checkpoints(args.output_dir) or [None])[-1]
+    claim_output_dir(args, rank, auto)
     args.world_size = world_size
     args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.batch_size = args.local_batch_size * world_size
     random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
-    os.makedirs(args.output_dir, exist_ok=True)
     return rank, world_size, device
+
+
+RUN_FILES = ("metrics.jsonl", "checkpoints", "model.safetensors", "model.safetensors.index.json")  # a run's own
+OUTPUT_DIR_LOCK = []  # rank 0's open output_dir/.lock while the run lives
+
+
+def claim_output_dir(args, rank, auto):
+    """Rank 0 holds an exclusive flock on output_dir/.lock for the whole run (the system drops it when the process
+    ends, however it ends): a second live run on the same folder is refused. A folder holding another run (RUN_FILES)
+    is refused too, unless this run continues it (--resume_from, or auto restarting a run stopped before its first
+    checkpoint and model) or --overwrite_output_dir, which removes that run's files first. Every rank raises rank 0's
+    verdict (a collective), before anything is loaded."""
+    verdict = [None]
+    if rank == 0:
+        os.makedirs(args.output_dir, exist_ok=True)
+        lock = open(os.path.join(args.output_dir, ".lock"), "w")
+        found = [name for name in RUN_FILES if os.path.exists(os.path.join(args.output_dir, name))]
+        finished = any(name.startswith("model.") for name in found)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            OUTPUT_DIR_LOCK[:] = [lock]
+        except OSError:
+            verdict[0] = (f"another run is writing to --output_dir {args.output_dir} (it holds {lock.name}): let it "
+                          "finish, stop it, or choose another folder")
+        if verdict[0] is None and found and args.resume_from is None and args.overwrite_output_dir:
+            for name in found:
+                path = os.path.join(args.output_dir, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            print(f"--overwrite_output_dir: removed the previous run's {', '.join(found)} from {args.output_dir}")
+        elif verdict[0] is None and found and args.resume_from is None and (finished or not auto):
+            verdict[0] = (f"--output_dir {args.output_dir} holds another run ({', '.join(found)}), which this one "
+                          "does not continue: --resume_from auto continues it from its latest checkpoint, "
+                          "--overwrite_output_dir replaces it, or choose another folder")
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise ValueError(verdict[0])
 
 
 def load_split(name, split):
@@ -574,9 +614,46 @@ def load_pretrained(auto_class, path, args, flag):
     return model
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+ID_COLUMNS = ("prompt", "completion", "chosen", "rejected")  # the token-id columns; the others (answer) are text
+
+
+def check_model_limits(args, tokenizer, splits):
+    """Token ids against the model's vocabulary and lengths against its positions, from its config, before the model
+    loads: past either, the embedding lookup fails mid-run (IndexError) or generate does. A sequence is a prompt and its
+    longest completion; for prompts alone (grpo, ppo), the prompt and --max_completion_length new tokens."""
+    config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    config, model = config.get_text_config(), f"the model {args.model_name_or_path!r}"
+    special = {"eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id}
+    for name, token_id in special.items():
+        if token_id is not None and token_id >= config.vocab_size:
+            raise ValueError(f"the tokenizer's {name} token id {token_id} is past the vocab_size {config.vocab_size} "
+                             f"of {model}: the tokenizer and the model do not belong together")
+    limit = getattr(config, "max_position_embeddings", None)
+    for split, data in splits.items():
+        columns = [data[c] for c in ID_COLUMNS if data and c in data]
+        top = max((max(ids) for column in columns for ids in column if ids), default=0)
+        if top >= config.vocab_size:
+            raise ValueError(f"split {split!r} has token id {top}, past the vocab_size {config.vocab_size} of "
+                             f"{model}: the tokenizer and the model do not belong together")
+        completions, generated = columns[1:], f"--max_completion_length {args.max_completion_length} new tokens"
+        lengths = [len(prompt) + (max(len(c[i]) for c in completions) if completions else args.max_completion_length)
+                   for i, prompt in enumerate(columns[0] if columns else [])]
+        if limit and lengths and max(lengths) > limit:
+            prompt = tokenizer.decode(columns[0][lengths.index(max(lengths))])[:60]
+            raise ValueError(f"split {split!r}: {max(lengths)} tokens (the prompt {prompt!r}, then "
+                             f"{'its longest completion' if completions else generated}), past the {limit} positions "
+                             f"of {model} (max_position_embeddings): lower --max_completion_length or "
+                             "--max_prompt_length (longer rows are dropped)")
+
+
 def load_tokenizer(args):
     """The tokenizer of --model_name_or_path and the pad token id (its EOS when it has no pad token)."""
-    tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
+    path = args.model_name_or_path
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise ValueError(f"--model_name_or_path {path!r} has no tokenizer files (one of "
+                         f"{', '.join(TOKENIZER_FILES)}): save the tokenizer into the model folder")
+    tokenizer = load_pretrained(AutoTokenizer, path, args, "--model_name_or_path")
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer of {args.model_name_or_path} has no eos_token: completions could never end")
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -613,6 +690,7 @@ def load_data(args, tokenizer, tokenize, rank):
     if eval_dataset:
         check_text_columns(eval_dataset, args, args.dataset_test_split)
     test = tokenize(eval_dataset, tokenizer, args)[0] if eval_dataset else None
+    check_model_limits(args, tokenizer, {args.dataset_train_split: train, args.dataset_test_split: test})
     if rank == 0:
         print(f"train: {len(train['prompt'])} of {len(train_dataset)} rows kept; dropped: {dropped}")
         print(f"eval: {len(test['prompt'])} rows" if test else f"no split {args.dataset_test_split!r}: eval skipped")
@@ -1091,11 +1169,11 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state):
 
 
 # arguments that may change when a run resumes: where it logs, how often, and how the same global batch is split
-RESUMABLE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "resume_from", "log_every",
-             "eval_every", "save_every", "keep_last", "skip_nonfinite", "per_device_train_batch_size",
-             "gradient_accumulation_steps", "per_device_eval_batch_size", "local_rollout_forward_batch_size",
-             "cache_implementation", "gradient_checkpointing", "cpu_offload", "reshard_after_forward", "world_size",
-             "local_batch_size"}
+RESUMABLE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "overwrite_output_dir",
+             "resume_from", "log_every", "eval_every", "save_every", "keep_last", "skip_nonfinite",
+             "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size",
+             "local_rollout_forward_batch_size", "cache_implementation", "gradient_checkpointing", "cpu_offload",
+             "reshard_after_forward", "world_size", "local_batch_size"}
 
 
 class CheckpointReader(dcp.FileSystemReader):
@@ -1200,6 +1278,8 @@ def finish(model, tokenizer, args, device, rank):
             wandb.finish()
     dist.barrier()  # no rank tears gloo/nccl down while another still communicates (gloo can abort at exit otherwise)
     dist.destroy_process_group()
+    while OUTPUT_DIR_LOCK:  # the folder is free for the next run
+        OUTPUT_DIR_LOCK.pop().close()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ Run:  torchrun --nproc_per_node 2 reward.py --model_name_or_path runs/sft --data
 """
 
 import collections
+import fcntl
 import json
 import math
 import os
@@ -38,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from tqdm import tqdm
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
 from adam_tf import AdamTF
 
@@ -58,6 +59,8 @@ class Args:
     """the wandb entity (team)"""
     output_dir: str = "runs/reward"
     """where the final Hugging Face model folder, checkpoints and metrics.jsonl are written"""
+    overwrite_output_dir: bool = False
+    """replace a previous run in output_dir (removing its metrics, checkpoints, model), which is refused otherwise"""
     model_name_or_path: str = "runs/sft"
     """a hub id or a local Hugging Face model folder: the SFT model the reward model starts from"""
     dataset_name: str = "toy/preference"
@@ -121,15 +124,9 @@ class Args:
     """pairs with a completion longer than this (in tokens, EOS included) are dropped, and counted in a message at
     start"""
 
-    # batch sizes (computed)
-    world_size: Optional[int] = None
-    """number of processes (computed)"""
-    local_batch_size: Optional[int] = None
-    """samples per process per optimizer step = per_device_train_batch_size x gradient_accumulation_steps (computed)"""
-    batch_size: Optional[int] = None
-    """global batch: samples per optimizer step = local_batch_size x world_size (computed)"""
-    num_training_steps: Optional[int] = None
-    """total optimizer steps, fixed before training; the LR schedule ends exactly there (computed)"""
+    # batch sizes, computed at start (not flags): world_size processes; local_batch_size = per_device_train_batch_size
+    # x gradient_accumulation_steps samples per process per optimizer step; batch_size = local_batch_size x world_size
+    # samples, the global batch; num_training_steps, fixed before training (the LR schedule ends exactly there)
 
     # reward modelling
     normalize_reward: bool = True
@@ -313,15 +310,52 @@ def setup(args):
         torch.cuda.set_device(device)
     signal.signal(signal.SIGTERM, request_stop)  # preemption: checkpoint at the next optimizer step, then leave
     signal.signal(signal.SIGINT, request_stop)
-    if args.resume_from == "auto":  # the latest complete checkpoint; None: nothing to continue, start at step 0
+    auto = args.resume_from == "auto"
+    if auto:  # the latest complete checkpoint; None: nothing to continue, start at step 0
         args.resume_from = (complete_checkpoints(args.output_dir) or [None])[-1]
+    claim_output_dir(args, rank, auto)
     args.world_size = world_size
     args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.batch_size = args.local_batch_size * world_size
     random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
-    os.makedirs(args.output_dir, exist_ok=True)
     return rank, world_size, device
+
+
+RUN_FILES = ("metrics.jsonl", "checkpoints", "model.safetensors", "model.safetensors.index.json")  # a run's own
+OUTPUT_DIR_LOCK = []  # rank 0's open output_dir/.lock while the run lives
+
+
+def claim_output_dir(args, rank, auto):
+    """Rank 0 holds an exclusive flock on output_dir/.lock for the whole run (the system drops it when the process
+    ends, however it ends): a second live run on the same folder is refused. A folder holding another run (RUN_FILES)
+    is refused too, unless this run continues it (--resume_from, or auto restarting a run stopped before its first
+    checkpoint and model) or --overwrite_output_dir, which removes that run's files first. Every rank raises rank 0's
+    verdict (a collective), before anything is loaded."""
+    verdict = [None]
+    if rank == 0:
+        os.makedirs(args.output_dir, exist_ok=True)
+        lock = open(os.path.join(args.output_dir, ".lock"), "w")
+        found = [name for name in RUN_FILES if os.path.exists(os.path.join(args.output_dir, name))]
+        finished = any(name.startswith("model.") for name in found)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            OUTPUT_DIR_LOCK[:] = [lock]
+        except OSError:
+            verdict[0] = (f"another run is writing to --output_dir {args.output_dir} (it holds {lock.name}): let it "
+                          "finish, stop it, or choose another folder")
+        if verdict[0] is None and found and args.resume_from is None and args.overwrite_output_dir:
+            for name in found:
+                path = os.path.join(args.output_dir, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            print(f"--overwrite_output_dir: removed the previous run's {', '.join(found)} from {args.output_dir}")
+        elif verdict[0] is None and found and args.resume_from is None and (finished or not auto):
+            verdict[0] = (f"--output_dir {args.output_dir} holds another run ({', '.join(found)}), which this one "
+                          "does not continue: --resume_from auto continues it from its latest checkpoint, "
+                          "--overwrite_output_dir replaces it, or choose another folder")
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise ValueError(verdict[0])
 
 
 def load_split(name, split):
@@ -367,9 +401,46 @@ def load_pretrained(auto_class, path, args, flag):
     return model
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+ID_COLUMNS = ("prompt", "completion", "chosen", "rejected")  # the token-id columns; the others (answer) are text
+
+
+def check_model_limits(args, tokenizer, splits):
+    """Token ids against the model's vocabulary and lengths against its positions, from its config, before the model
+    loads: past either, the embedding lookup fails mid-run (IndexError) or generate does. A sequence is a prompt and its
+    longest completion; for prompts alone (grpo, ppo), the prompt and --max_completion_length new tokens."""
+    config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    config, model = config.get_text_config(), f"the model {args.model_name_or_path!r}"
+    special = {"eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id}
+    for name, token_id in special.items():
+        if token_id is not None and token_id >= config.vocab_size:
+            raise ValueError(f"the tokenizer's {name} token id {token_id} is past the vocab_size {config.vocab_size} "
+                             f"of {model}: the tokenizer and the model do not belong together")
+    limit = getattr(config, "max_position_embeddings", None)
+    for split, data in splits.items():
+        columns = [data[c] for c in ID_COLUMNS if data and c in data]
+        top = max((max(ids) for column in columns for ids in column if ids), default=0)
+        if top >= config.vocab_size:
+            raise ValueError(f"split {split!r} has token id {top}, past the vocab_size {config.vocab_size} of "
+                             f"{model}: the tokenizer and the model do not belong together")
+        completions, generated = columns[1:], f"--max_completion_length {args.max_completion_length} new tokens"
+        lengths = [len(prompt) + (max(len(c[i]) for c in completions) if completions else args.max_completion_length)
+                   for i, prompt in enumerate(columns[0] if columns else [])]
+        if limit and lengths and max(lengths) > limit:
+            prompt = tokenizer.decode(columns[0][lengths.index(max(lengths))])[:60]
+            raise ValueError(f"split {split!r}: {max(lengths)} tokens (the prompt {prompt!r}, then "
+                             f"{'its longest completion' if completions else generated}), past the {limit} positions "
+                             f"of {model} (max_position_embeddings): lower --max_completion_length or "
+                             "--max_prompt_length (longer rows are dropped)")
+
+
 def load_tokenizer(args):
     """The tokenizer of --model_name_or_path and the pad token id (its EOS when it has no pad token)."""
-    tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
+    path = args.model_name_or_path
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise ValueError(f"--model_name_or_path {path!r} has no tokenizer files (one of "
+                         f"{', '.join(TOKENIZER_FILES)}): save the tokenizer into the model folder")
+    tokenizer = load_pretrained(AutoTokenizer, path, args, "--model_name_or_path")
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer of {args.model_name_or_path} has no eos_token: completions could never end")
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -406,6 +477,7 @@ def load_data(args, tokenizer, tokenize, rank):
     if eval_dataset:
         check_text_columns(eval_dataset, args, args.dataset_test_split)
     test = tokenize(eval_dataset, tokenizer, args)[0] if eval_dataset else None
+    check_model_limits(args, tokenizer, {args.dataset_train_split: train, args.dataset_test_split: test})
     if rank == 0:
         print(f"train: {len(train['prompt'])} of {len(train_dataset)} rows kept; dropped: {dropped}")
         print(f"eval: {len(test['prompt'])} rows" if test else f"no split {args.dataset_test_split!r}: eval skipped")
@@ -761,11 +833,11 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state):
 
 
 # arguments that may change when a run resumes: where it logs, how often, and how the same global batch is split
-RESUMABLE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "resume_from", "log_every",
-             "eval_every", "save_every", "keep_last", "skip_nonfinite", "per_device_train_batch_size",
-             "gradient_accumulation_steps", "per_device_eval_batch_size", "local_rollout_forward_batch_size",
-             "cache_implementation", "gradient_checkpointing", "cpu_offload", "reshard_after_forward", "world_size",
-             "local_batch_size"}
+RESUMABLE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "overwrite_output_dir",
+             "resume_from", "log_every", "eval_every", "save_every", "keep_last", "skip_nonfinite",
+             "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size",
+             "local_rollout_forward_batch_size", "cache_implementation", "gradient_checkpointing", "cpu_offload",
+             "reshard_after_forward", "world_size", "local_batch_size"}
 
 
 class CheckpointReader(dcp.FileSystemReader):
@@ -870,6 +942,8 @@ def finish(model, tokenizer, args, device, rank):
             wandb.finish()
     dist.barrier()  # no rank tears gloo/nccl down while another still communicates (gloo can abort at exit otherwise)
     dist.destroy_process_group()
+    while OUTPUT_DIR_LOCK:  # the folder is free for the next run
+        OUTPUT_DIR_LOCK.pop().close()
 
 
 if __name__ == "__main__":

@@ -109,6 +109,7 @@ COMMON_FIELDS = [
     "wandb_project_name",
     "wandb_entity",
     "output_dir",
+    "overwrite_output_dir",
     "model_name_or_path",
     "dataset_name",
     "dataset_train_split",

@@ -2,11 +2,12 @@
 precomputed or online, and the script on the toy task (DPO from the SFT model raises greedy exact match)."""
 
 import math
+import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import read_metrics, reference_logprobs, run_in_process, run_script, tiny_gpt2
+from conftest import read_metrics, reference_logprobs, run_in_process, run_script, run_scripts, tiny_gpt2
 
 from dpo import dpo_loss, pair_logps
 from toy_task import exact_match
@@ -21,11 +22,13 @@ def test_dpo_losses_by_hand(beta):
     # two pairs: log-ratios chosen 0.5 / rejected -0.5 (h = 1), then chosen -1.0 / rejected 0.25 (h = -1.25)
     chosen, rejected = torch.tensor([-1.0, -4.0]), torch.tensor([-3.0, -2.0])
     ref_chosen, ref_rejected = torch.tensor([-1.5, -3.0]), torch.tensor([-2.5, -2.25])
-    lengths, h = torch.tensor([2, 5]), [1.0, -1.25]
+    lengths, h = torch.tensor([2, 5, 4, 1]), [1.0, -1.25]  # the chosen completions' lengths, then the rejected
     expected = {
         ("sigmoid", 0.0, 0.0): [-log_sigmoid(beta * x) for x in h],
         ("sigmoid", 0.2, 0.0): [-0.8 * log_sigmoid(beta * x) - 0.2 * log_sigmoid(-beta * x) for x in h],
         ("ipo", 0.0, 0.0): [(x - 1 / (2 * beta)) ** 2 for x in h],
+        # each log-ratio over its completion's length: 0.5 / 2 - (-0.5) / 4, then -1.0 / 5 - 0.25 / 1
+        ("ipo_per_token", 0.0, 0.0): [(x - 1 / (2 * beta)) ** 2 for x in (0.25 + 0.125, -0.2 - 0.25)],
         ("hinge", 0.0, 0.0): [max(0.0, 1 - beta * x) for x in h],
         ("sigmoid", 0.0, 0.5): [
             -log_sigmoid(beta * h[0]) + 0.5 * 1.0 / 2,
@@ -47,7 +50,9 @@ def test_dpo_losses_by_hand(beta):
 def test_dpo_gradient_raises_chosen_and_lowers_rejected():
     chosen, rejected = torch.tensor([-2.0], requires_grad=True), torch.tensor([-2.0], requires_grad=True)
     args = SimpleNamespace(beta=0.1, loss_type="sigmoid", label_smoothing=0.0, rpo_alpha=0.0)
-    dpo_loss(chosen, rejected, torch.tensor([-2.0]), torch.tensor([-2.0]), torch.tensor([3]), args)[0].sum().backward()
+    dpo_loss(chosen, rejected, torch.tensor([-2.0]), torch.tensor([-2.0]), torch.tensor([3, 3]), args)[
+        0
+    ].sum().backward()
     # d/dh of -log sigmoid(beta h) at h = 0 is -beta / 2: descent raises log pi(chosen), lowers log pi(rejected)
     assert chosen.grad.item() == pytest.approx(-0.05) and rejected.grad.item() == pytest.approx(0.05)
 
@@ -59,7 +64,7 @@ def test_pair_logps_sum_the_completion_tokens_eos_included():
         chosen, rejected, lengths, _ = pair_logps(
             model, data, [1, 0], pad_token_id=eos
         )  # rows out of order, pad == eos
-    assert lengths.tolist() == [4, 2]
+    assert lengths.tolist() == [4, 2, 1, 4]  # the chosen, then the rejected
     for key, got in (("chosen", chosen), ("rejected", rejected)):
         expected = [reference_logprobs(model, data["prompt"][i], data[key][i]).sum().item() for i in (1, 0)]
         assert got.tolist() == pytest.approx(expected, abs=1e-5), key
@@ -67,11 +72,13 @@ def test_pair_logps_sum_the_completion_tokens_eos_included():
 
 # ---------------------------------------------------------------------------------------------- the script itself
 def test_reference_logps_precomputed_or_online_give_the_same_run(toy, tmp_path):
+    """The same 6 steps on 2 processes with the reference log-probs precomputed or computed online: the same metrics.
+    With --loss_type ipo_per_token (TRL's ipo; tests/test_variants.py checks its arithmetic), so that this is also its
+    run end to end: before the first update the policy is the reference, so the loss is (0 - 1 / (2 beta))^2."""
     (tmp_path / "small.jsonl").write_text("".join(open(toy / "preference" / "train.jsonl").readlines()[:32]))
-    runs = {}
-    for precompute in ("--precompute-ref-logps", "--no-precompute-ref-logps"):
-        out = tmp_path / precompute
-        result = run_script(
+    modes = ("--precompute-ref-logps", "--no-precompute-ref-logps")
+    launches = [
+        (
             "dpo.py",
             [
                 "--model_name_or_path",
@@ -79,7 +86,7 @@ def test_reference_logps_precomputed_or_online_give_the_same_run(toy, tmp_path):
                 "--dataset_name",
                 tmp_path / "small.jsonl",
                 "--output_dir",
-                out,
+                tmp_path / precompute,
                 "--learning_rate",
                 3e-3,
                 "--beta",
@@ -92,23 +99,23 @@ def test_reference_logps_precomputed_or_online_give_the_same_run(toy, tmp_path):
                 1,
                 "--per_device_eval_batch_size",
                 3,
+                "--loss_type",
+                "ipo_per_token",
                 precompute,
             ],
-            nproc=2,
+            2,
         )
+        for precompute in modes
+    ]
+    for precompute, result in zip(modes, run_scripts(launches)):  # both at once
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
         assert ("reference log-probs computed for 32 training pairs" in result.stdout) == (
             precompute == "--precompute-ref-logps"
         )
-        runs[precompute] = read_metrics(out)
-    first = runs["--precompute-ref-logps"][
-        0
-    ]  # before the first update the policy is the reference: implicit rewards 0 (dropout off)
-    assert (
-        abs(first["rewards/chosen"]) < 1e-5
-        and abs(first["rewards/rejected"]) < 1e-5
-        and first["loss"] == pytest.approx(math.log(2), rel=1e-5)
-    )
+    runs = {precompute: read_metrics(tmp_path / precompute) for precompute in modes}
+    first = runs["--precompute-ref-logps"][0]  # implicit rewards 0 before the first update (dropout off)
+    assert abs(first["rewards/chosen"]) < 1e-5 and abs(first["rewards/rejected"]) < 1e-5
+    assert first["loss"] == pytest.approx((0 - 1 / (2 * 1.0)) ** 2, rel=1e-5)
     for key in first:
         # the two modes group rows differently in padded batches: log-probs differ by float noise (1e-7), which the
         # updates
@@ -123,15 +130,19 @@ def test_reference_logps_precomputed_or_online_give_the_same_run(toy, tmp_path):
 def test_dpo_raises_exact_match_over_the_sft_model(toy, sft_model, tmp_path):
     """Plain sigmoid DPO (beta 1) on toy/preference, which prefers the right answer over the demonstrator's mistake,
     from the SFT model that copies the demonstrator: 30 steps, 2 processes. In the quickstart (60 steps, two seeds)
-    exact match went 0.505 -> 0.995 and 0.560 -> 0.980 by step 10; the margin asked is 0.15."""
-    out = tmp_path / "dpo"
+    exact match went 0.505 -> 0.995 and 0.560 -> 0.980 by step 10; the margin asked is 0.15. The first 960 training
+    pairs, what 30 steps of 32 use, so that the reference log-probs are computed for those only."""
+    out, data = tmp_path / "dpo", tmp_path / "preference"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(open(toy / "preference" / "train.jsonl").readlines()[:960]))
+    shutil.copy(toy / "preference" / "test.jsonl", data)
     result = run_script(
         "dpo.py",
         [
             "--model_name_or_path",
             sft_model[0],
             "--dataset_name",
-            toy / "preference",
+            data,
             "--output_dir",
             out,
             "--learning_rate",

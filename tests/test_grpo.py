@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, read_metrics, run_in_process, run_script, tiny_gpt2
+from conftest import ROOT, read_metrics, run_in_process, run_script, run_scripts, tiny_gpt2
 from grpo import (
     completion_logprobs,
     generate_completions,
@@ -45,6 +45,8 @@ def loss_args(**kw):
             "kl_estimator": "k3",
             "loss_type": "token",
             "max_completion_length": 4,
+            "importance_sampling_level": "token",
+            "policy_loss": "clip",
             **kw,
         }
     )
@@ -174,14 +176,16 @@ def test_advantages_for_each_scale_rewards():
         "none": centred,
     }
     for scale, values in expected.items():
-        advantages, zero_std = group_advantages(rewards, 4, scale)
+        args = SimpleNamespace(advantage_estimator="grpo", scale_rewards=scale)
+        advantages, zero_std = group_advantages(rewards, torch.ones(12), 4, args)
         assert advantages.tolist() == pytest.approx(values, abs=1e-6), scale
         assert zero_std.tolist() == [False, True, False]
     # equal rewards give exactly 0, even where the float mean is not exact (3 x 0.1 / 3 != 0.1)
-    advantages, zero_std = group_advantages(
-        torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 0.5], dtype=torch.float64), 3, "group"
-    )
-    assert advantages[:3].tolist() == [0.0, 0.0, 0.0] and zero_std.tolist() == [True, False]
+    rewards = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 0.5], dtype=torch.float64)
+    for estimator in ("grpo", "rloo"):
+        args = SimpleNamespace(advantage_estimator=estimator, scale_rewards="group")
+        advantages, zero_std = group_advantages(rewards, torch.ones(6), 3, args)
+        assert advantages[:3].tolist() == [0.0, 0.0, 0.0] and zero_std.tolist() == [True, False], estimator
 
 
 # ---------------------------------------------------------------------------------------------- verifiers
@@ -464,18 +468,22 @@ def test_missing_eos_penalty_and_truncated_completions(toy, sft_model, tmp_path)
     loss is 0 and the weights do not move."""
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(open(toy / "prompts" / "train.jsonl").readlines()[:64]))
-    runs = {}
-    for name, extra in {
+    variants = {
         "plain": ["--max_completion_length", 6],
         "penalty": ["--max_completion_length", 6, "--missing_eos_penalty", 1.0],
         "masked": ["--max_completion_length", 2, "--mask_truncated_completions", "--beta", 0.0],
-    }.items():
-        out = tmp_path / name
-        result = run_script(
-            "grpo.py", grpo_args(sft_model[0], data, out, "--max_steps", 1, "--learning_rate", 1e-3, *extra)
+    }
+    launches = [
+        (
+            "grpo.py",
+            grpo_args(sft_model[0], data, tmp_path / name, "--max_steps", 1, "--learning_rate", 1e-3, *extra),
+            1,
         )
+        for name, extra in variants.items()
+    ]
+    for result in run_scripts(launches):  # the three at once
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
-        runs[name] = read_metrics(out)[0]
+    runs = {name: read_metrics(tmp_path / name)[0] for name in variants}
     plain, penalty, masked = runs["plain"], runs["penalty"], runs["masked"]
     truncated = plain["completions/clipped_ratio"]
     assert 0 < truncated < 1 and penalty["completions/clipped_ratio"] == truncated

@@ -472,3 +472,117 @@ def test_arguments_that_cannot_be_meant_are_refused_before_loading(script, toy, 
         args = script_args(script, tmp_path / "no_model", toy / DATA[script], tmp_path / "out", "rm", flag, value)
         error, _ = run_in_process(script, args)
         assert isinstance(error, ValueError) and f"{flag} {value}: must be {allowed}" in str(error), (flag, repr(error))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_computed_batch_sizes_are_not_flags(script, capsys):
+    """`--batch_size 64` was once accepted and silently ignored (the run used processes x micro-batch x accumulation).
+    The computed sizes are not flags: --help does not list them and the parser refuses them."""
+    import importlib
+
+    import tyro
+
+    Args = importlib.import_module(script[:-3]).Args
+    computed = ["world_size", "local_batch_size", "batch_size", "num_training_steps"]
+    computed += {"grpo.py": ["rollout_batch_size", "num_prompts_per_rollout"], "ppo.py": ["rollout_batch_size"]}.get(
+        script, []
+    )
+    with pytest.raises(SystemExit):
+        tyro.cli(Args, args=["--help"])
+    listed = capsys.readouterr().out
+    assert "--per-device-train-batch-size" in listed or "--per_device_train_batch_size" in listed
+    for name in computed:
+        assert f"--{name} " not in listed and f"--{name.replace('_', '-')} " not in listed, name
+        with pytest.raises(SystemExit):
+            tyro.cli(Args, args=[f"--{name}", "64"])
+    assert "unrecognized" in capsys.readouterr().err.lower()
+
+
+def test_a_folder_holding_another_run_is_refused_unless_continued_or_overwritten(checkpointed, toy, tmp_path):
+    """A new run into a finished run's folder once overwrote its model and metrics and left its checkpoints beside the
+    new model. Now: refused, naming what is there; --resume_from auto continues it; --overwrite_output_dir removes the
+    old run's files first. A run stopped before its first checkpoint (metrics, no checkpoint, no model) is restarted
+    by --resume_from auto, the same command."""
+    out = tmp_path / "finished"
+    shutil.copytree(checkpointed, out)
+    args = script_args("sft.py", toy / "model", toy / "sft", out, None, "--max_steps", 4)
+    error, _ = run_in_process("sft.py", args)
+    assert isinstance(error, ValueError), repr(error)
+    assert "holds another run (metrics.jsonl, checkpoints, model.safetensors)" in str(error), str(error)
+    assert "--resume_from auto continues it" in str(error) and "--overwrite_output_dir replaces it" in str(error)
+    assert len(read_metrics(out)) == 4  # untouched
+    error, printed = run_in_process("sft.py", args + ["--resume_from", "auto"])  # step_4 of 4: nothing left to do
+    assert error is None and len(read_metrics(out)) == 4, (repr(error), printed[-2000:])
+    error, printed = run_in_process("sft.py", args + ["--max_steps", 2, "--overwrite_output_dir"])
+    assert error is None, repr(error)
+    assert "removed the previous run's metrics.jsonl, checkpoints, model.safetensors" in printed
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and not (out / "checkpoints").exists()
+    error, _ = run_in_process("sft.py", args + ["--resume_from", "auto"])  # a finished model, no checkpoint: refused
+    assert isinstance(error, ValueError) and "holds another run (metrics.jsonl, model.safetensors)" in str(error)
+    stopped = tmp_path / "stopped_early"  # what a SIGKILL before the first checkpoint leaves
+    stopped.mkdir()
+    (stopped / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    error, _ = run_in_process("sft.py", script_args("sft.py", toy / "model", toy / "sft", stopped, None))
+    assert isinstance(error, ValueError) and "holds another run (metrics.jsonl)" in str(error), repr(error)
+    restart = script_args("sft.py", toy / "model", toy / "sft", stopped, None, "--resume_from", "auto")
+    error, _ = run_in_process("sft.py", restart)
+    assert error is None and [r["step"] for r in read_metrics(stopped)] == [1, 2], repr(error)
+
+
+def test_a_second_live_run_on_the_same_folder_is_refused(toy, tmp_path):
+    """Two runs into one folder once both exited 0 with their metrics.jsonl interleaved. The first run holds an
+    exclusive lock on output_dir/.lock while it lives (held here by the test, as a live run would); the second stops
+    at once, naming it. When the holder ends, the folder is free."""
+    import fcntl
+
+    out = tmp_path / "busy"
+    out.mkdir()
+    holder = open(out / ".lock", "w")
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    args = script_args("sft.py", toy / "model", toy / "sft", out, None)
+    error, _ = run_in_process("sft.py", args)
+    assert isinstance(error, ValueError) and f"another run is writing to --output_dir {out}" in str(error), repr(error)
+    assert not (out / "metrics.jsonl").exists()
+    holder.close()
+    error, _ = run_in_process("sft.py", args)
+    assert error is None and len(read_metrics(out)) == 2, repr(error)
+
+
+def test_tokenizer_and_model_limits_are_checked_before_the_model_loads(toy, tmp_path):
+    """Once: a folder without tokenizer files gave a 1-token tokenizer and a late crash; token ids past the model's
+    vocabulary an IndexError mid-run; prompts plus completions past max_position_embeddings a crash inside generate (and
+    --max_completion_length 100000 a hang). Each now stops in data loading, before the model loads (the folders here
+    would not load: their configs do not match their weights)."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(toy / "model" / name, bare)
+    args = script_args("sft.py", bare, toy / "sft", tmp_path / "out_bare", None)
+    error, _ = run_in_process("sft.py", args)
+    assert isinstance(error, ValueError) and f"--model_name_or_path {str(bare)!r} has no tokenizer files" in str(error)
+
+    def edited(name, **changes):
+        folder = tmp_path / name
+        shutil.copytree(toy / "model", folder)
+        config = json.load(open(folder / "config.json"))
+        json.dump({**config, **changes}, open(folder / "config.json", "w"))
+        return folder
+
+    error, _ = run_in_process(
+        "sft.py", script_args("sft.py", edited("vocab", vocab_size=50), toy / "sft", tmp_path / "a", None)
+    )
+    assert isinstance(error, ValueError) and "past the vocab_size 50" in str(error), repr(error)
+    assert "the tokenizer and the model do not belong together" in str(error)
+    short = edited("positions", max_position_embeddings=8)
+    error, _ = run_in_process("sft.py", script_args("sft.py", short, toy / "sft", tmp_path / "b", None))
+    assert (
+        isinstance(error, ValueError)
+        and "past the 8 positions" in str(error)
+        and "its longest completion" in str(error)
+    )
+    args = script_args(
+        "grpo.py", toy / "model", toy / "prompts", tmp_path / "c", None, "--max_completion_length", 100000
+    )
+    error, _ = run_in_process("grpo.py", args)
+    assert isinstance(error, ValueError) and "past the 256 positions" in str(error), repr(error)
+    assert "--max_completion_length 100000 new tokens" in str(error)
