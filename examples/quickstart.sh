@@ -6,7 +6,8 @@
 # Ends with a table (exact match per stage, on the flawed subset and elsewhere, the reward model's pair accuracy, wall
 # time, peak memory) and, with matplotlib, $OUT/curves.png: exact match over training against the imitation ceiling.
 #   bash examples/quickstart.sh        # NPROC=1: one process; OUT=...: output folder; TOY=...: toy task folder
-#   FAST=1 bash examples/quickstart.sh # a few steps per stage: checks the pipeline runs, not that it learns
+#   FAST=1 bash examples/quickstart.sh # a few steps per stage (a new toy: 512 training, 50 test rows): checks the
+#                                      # pipeline runs, not that it learns
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/quickstart}
@@ -24,9 +25,10 @@ stage() {  # stage NAME COMMAND...: run it, its output also in $OUT/NAME.log, it
     "$@" 2>&1 | tee "$OUT/$name.log"
     echo "$name $((SECONDS - start))" >> "$OUT/times.tsv"
 }
-run() { torchrun --standalone --nproc_per_node "$NPROC" "$@"; }
+run() { torchrun --standalone --nproc_per_node "$NPROC" "$@" --overwrite_output_dir; }  # again: replace the last run
 
-[ -d "$TOY/model" ] || python examples/toy_task.py --out "$TOY"
+[ -d "$TOY/model" ] || python examples/toy_task.py --out "$TOY" \
+    --num_train "$(steps 4000 512)" --num_test "$(steps 200 50)"
 begin=$SECONDS
 # each stage keeps a checkpoint every few steps (--save_every): the report scores them for the curves
 stage sft run sft.py --model_name_or_path "$TOY/model" --dataset_name "$TOY/sft" --output_dir "$OUT/sft" \

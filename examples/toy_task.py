@@ -215,11 +215,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="folder to write the toy task to")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num_train", type=int, default=4000, help="training rows of each dataset")
+    parser.add_argument("--num_test", type=int, default=200, help="test rows of each dataset")
     parser.add_argument("--eval", help="a causal LM folder to score by greedy exact match")
     parser.add_argument("--data", help="a prompts file (prompt + answer columns) for --eval")
     args = parser.parse_args()
     if args.out:
-        write_toy_task(args.out, args.seed)
+        write_toy_task(args.out, args.seed, args.num_train, args.num_test)
         print(f"wrote {args.out}/model, {args.out}/sft, {args.out}/preference, {args.out}/prompts")
     if args.eval:
         rows = [json.loads(line) for line in open(args.data)]

@@ -17,24 +17,28 @@ from gpu import check_run, flops_per_token, scores_check  # noqa: E402
 
 def test_dry_run_goes_through_every_stage(tmp_path):
     """TRL's side is left out here (CI does not install TRL; bench/requirements.txt's environment runs it too)."""
+    out = tmp_path
     result = subprocess.run(
-        ["bash", "bench/gpu.sh", "--dry-run", "--no-trl", "--out", str(tmp_path)],
+        ["bash", "bench/gpu.sh", "--dry-run", "--no-trl", "--out", str(out)],
         cwd=ROOT,
         env=script_env({"PYTHON": sys.executable}),
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
-    stages = json.load(open(tmp_path / "results.json"))["stages"]
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-10000:]
+    stages = json.load(open(out / "results.json"))["stages"]
     assert list(stages) == ["env", "correctness", "speed", "generation"]
     assert all(stage["failures"] == [] for stage in stages.values())
     runs = stages["correctness"]["runs"]
-    names = ["sft", "sft_again", "reward", "dpo", "grpo", "grpo_static", "ppo", "ppo_static", "sft_resumed"]
+    # on CPU: no sft_again (two CPU runs agree to the bit) and no static-cache runs (compiled on GPUs only; the static
+    # cache's CPU path is checked in process by tests/test_grpo.py)
+    names = ["sft", "reward", "dpo", "grpo", "ppo", "sft_resumed"]
     assert sorted(runs) == sorted(names) and all(run["exit"] == 0 for run in runs.values())
     assert stages["correctness"]["resume"]["max_abs_difference_resumed_vs_straight"] == 0.0
     speed = stages["speed"]["runs"]
-    assert sorted(speed) == ["dpo", "grpo", "grpo_static", "sft"] and all(
+    assert sorted(speed) == ["dpo", "grpo", "sft"] and all(
         row["ours"]["seconds_per_step"] > 0 for row in speed.values()
     )
     breakdown = speed["grpo"]["ours"]["breakdown"]  # the parts of a step add up to the step
@@ -44,8 +48,9 @@ def test_dry_run_goes_through_every_stage(tmp_path):
     paths = stages["generation"]["paths"]
     assert len(paths) == 3 and all(path["exactness"]["samples_softmax_logits_over_T"] for path in paths.values())
     assert all(path["samples_per_second"] > 0 for path in paths.values())
-    summary = open(tmp_path / "summary.md").read()
+    summary = open(out / "summary.md").read()
     assert "| sft | 0 |" in summary and "generate_batch (continuous batching)" in summary and "FAILED" not in summary
+    assert summary in output
 
 
 def test_check_run_names_what_failed(tmp_path, toy):

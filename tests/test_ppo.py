@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, run_scripts
 from ppo import (
     adapt_kl_coef,
     gae,
@@ -190,21 +190,21 @@ def ppo_args(model, reward, data, out, *extra):
 
 @pytest.fixture(scope="module")
 def two_optimizers(toy, sft_model, reward_model, tmp_path_factory):
-    """The same run with adam_tf and with adamw (epsilon 1e-5 for both): 2 processes x 2 PPO epochs x 2 mini-batches
-    x 2 accumulation steps (micro-batches of 2: 8 completions per optimizer step, rollouts of 16 prompts, 4 optimizer
-    steps per rollout), 2 rollouts, learning rate decaying linearly from 3e-5, logged at every optimizer step."""
+    """The same run with adam_tf and with adamw (epsilon 1e-5 for both), both at once: 1 process x 2 PPO epochs x 2
+    mini-batches x 2 accumulation steps (micro-batches of 4: 8 completions per optimizer step, rollouts of 16 prompts,
+    4 optimizer steps per rollout), 2 rollouts, learning rate decaying linearly from 3e-5, logged at every optimizer
+    step. (test_training_loop checks the schedule on 1 and 2 processes, with accumulation, 3 epochs x 2
+    mini-batches.)"""
     root = tmp_path_factory.mktemp("ppo_optimizers")
     (root / "prompts.jsonl").write_text("".join(open(toy / "prompts" / "train.jsonl").readlines()[:64]))
-    runs = {}
-    for optimizer in ("adam_tf", "adamw"):
-        out = root / optimizer
-        result = run_script(
+    launches = [
+        (
             "ppo.py",
             ppo_args(
                 sft_model[0],
                 reward_model[0],
                 root / "prompts.jsonl",
-                out,
+                root / optimizer,
                 "--optimizer",
                 optimizer,
                 "--adam_epsilon",
@@ -218,21 +218,23 @@ def two_optimizers(toy, sft_model, reward_model, tmp_path_factory):
                 "--num_mini_batches",
                 2,
                 "--per_device_train_batch_size",
-                2,
+                4,
                 "--gradient_accumulation_steps",
                 2,
                 "--local_rollout_forward_batch_size",
                 8,
             ),
-            nproc=2,
+            1,
         )
+        for optimizer in ("adam_tf", "adamw")
+    ]
+    for result in run_scripts(launches):  # both at once
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
         assert (
             "2 rollouts of 16 prompts, each 2 epochs x 2 mini-batches of 8 completions "
-            "(2 processes x 2 per micro-batch x 2 accumulation)" in result.stdout
+            "(1 processes x 4 per micro-batch x 2 accumulation)" in result.stdout
         )
-        runs[optimizer] = read_metrics(out)
-    return runs
+    return {optimizer: read_metrics(root / optimizer) for optimizer in ("adam_tf", "adamw")}
 
 
 def test_lr_schedule_once_per_optimizer_step(two_optimizers):

@@ -16,8 +16,10 @@ from conftest import ROOT, read_metrics, script_env
 FAST_STEPS = {"sft": 10, "reward": 5, "dpo": 4, "grpo": 2, "ppo": 4}  # what FAST=1 sets in examples/quickstart.sh
 
 
-def test_quickstart_fast_mode(toy, tmp_path, monkeypatch, capsys):
-    out = tmp_path / "quickstart"
+def test_quickstart_fast_mode(tmp_path, monkeypatch, capsys):
+    """From a machine without the toy task: the quickstart writes it (`examples/toy_task.py --out`, the README's first
+    toy line), then runs the stages, which are the README's toy lines (tests/test_readme.py) with fewer steps."""
+    out, toy = tmp_path / "quickstart", tmp_path / "toy"
     result = subprocess.run(
         ["bash", "examples/quickstart.sh"],
         cwd=ROOT,
@@ -26,7 +28,9 @@ def test_quickstart_fast_mode(toy, tmp_path, monkeypatch, capsys):
         text=True,
         timeout=600,
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-8000:]
+    assert (toy / "model" / "config.json").exists() and (toy / "prompts" / "test.jsonl").exists()
     for stage, steps in FAST_STEPS.items():
         assert read_metrics(out / stage)[-1]["step"] == steps, stage
     # every metric the five scripts logged has its line in the README's metrics table
@@ -66,9 +70,9 @@ def test_quickstart_fast_mode(toy, tmp_path, monkeypatch, capsys):
     assert table in result.stdout
     assert table.split("\n\n")[0].count("\n") == 2 + len(report["rows"])  # header, rows, total
     if importlib.util.find_spec("matplotlib"):
-        assert (out / "curves.png").stat().st_size > 10_000 and "wrote" in result.stdout
+        assert (out / "curves.png").stat().st_size > 10_000 and "wrote" in output
     else:
-        assert "matplotlib is not installed" in result.stdout and not (out / "curves.png").exists()
+        assert "matplotlib is not installed" in output and not (out / "curves.png").exists()
     # and without matplotlib, whatever this machine has: a message, no file
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     from quickstart_report import plot_curves

@@ -5,12 +5,11 @@ import importlib
 import os
 import re
 import shlex
-import subprocess
 
 import pytest
 import tyro
 
-from conftest import ROOT, script_env
+from conftest import ROOT
 
 SCRIPTS = ["sft.py", "reward.py", "dpo.py", "grpo.py", "ppo.py"]
 DOCUMENTS = ["README.md", "examples/quickstart.sh"]
@@ -61,24 +60,53 @@ def test_a_wrong_flag_is_caught():
             tyro.cli(Args, args=bad)
 
 
-def test_the_toy_command_lines_run_in_the_order_given(tmp_path):
-    """The README's toy lines, run as written and in the README's order (each stage reads the folder the one before
-    wrote), in a fast mode: the same command with a few steps (`--max_steps` given last wins) and every relative
-    `toy`/`runs` folder moved under a temporary directory. A line that names a folder no earlier line writes fails."""
-    lines = [
-        line
-        for line in command_lines("README.md")
-        if re.search(r"(^|\s)toy/", line) or re.search(r"toy_task\.py --out toy\b", line)
-    ]
-    scripts = [next(w for w in shlex.split(line) if w.endswith(".py")) for line in lines]
-    assert scripts == ["examples/toy_task.py", *SCRIPTS], scripts  # the toy task, then every script once, in order
-    for line, script in zip(lines, scripts):
-        line = re.sub(r"(?<=\s)(toy|runs)(?=/|\s|$)", lambda m: str(tmp_path / m.group(1)), line)
-        if script != "examples/toy_task.py":
-            line += f" --max_steps {4 if script == 'ppo.py' else 2}"  # ppo: 2 epochs x 2 mini-batches per rollout
-        result = subprocess.run(
-            ["bash", "-c", line], cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300
-        )
-        assert result.returncode == 0, line + "\n" + result.stdout[-2000:] + result.stderr[-5000:]
-    for name in ("sft", "reward", "dpo", "grpo", "ppo"):
-        assert (tmp_path / "runs" / name / "config.json").exists(), name
+# what the quickstart adds to the README's toy lines for its report (logging, checkpoints to score, evaluation) and to
+# be run again (--overwrite_output_dir, in its run function)
+REPORT_ONLY = {"log_every", "save_every", "eval_every", "per_device_eval_batch_size", "overwrite_output_dir"}
+
+
+def quickstart_stages(out="runs", toy="toy", micro_batch="16"):
+    """(script, arguments) of each stage of examples/quickstart.sh in its full mode, its variables replaced by what a
+    plain `bash examples/quickstart.sh` with OUT=runs TOY=toy on 2 processes gives them."""
+    text = open(os.path.join(ROOT, "examples", "quickstart.sh")).read().replace("\\\n", " ")
+    stages = []
+    for line in text.splitlines():
+        if line.startswith("stage "):
+            words = shlex.split(line)  # stage NAME run SCRIPT ARGS...
+            args = [re.sub(r"\$\(steps (\S+) \S+\)", r"\1", w) for w in words[4:]]
+            args = [w.replace("$TOY", toy).replace("$OUT", out).replace("$MB", micro_batch) for w in args]
+            stages.append((words[3], args))
+    return stages
+
+
+def test_the_toy_lines_are_the_quickstarts_commands():
+    """The README's toy lines, in the README's order, are the commands examples/quickstart.sh runs (OUT=runs, TOY=toy,
+    2 processes, the full step counts), less the flags that only serve its report (REPORT_ONLY): the same Args, field by
+    field, once parsed by each script's own parser. test_quickstart runs the quickstart on 2 processes in its fast mode
+    (fewer steps), the toy task written by `examples/toy_task.py --out`, each stage reading the folder the one before
+    wrote: so every toy line runs as written, in this order. A line that names a folder no earlier line writes, or a
+    flag or value that differs from the quickstart's, fails here."""
+    lines = [line for line in command_lines("README.md") if re.search(r"(^|\s)toy/|toy_task\.py --out toy\b", line)]
+    assert lines[0] == "python examples/toy_task.py --out toy" and all("--nproc_per_node 2" in x for x in lines[1:])
+    readme = [call for call in script_calls("README.md") if any(arg.startswith("toy/") for arg in call[1])]
+    stages = quickstart_stages()
+    assert [script for script, _ in readme] == [script for script, _ in stages] == SCRIPTS
+    assert 'python examples/toy_task.py --out "$TOY"' in open(os.path.join(ROOT, "examples", "quickstart.sh")).read()
+    for (script, readme_args), (_, stage_args) in zip(readme, stages):
+        assert differences(script, readme_args, stage_args) == {}, (script, "README vs quickstart")
+
+
+def differences(script, args_a, args_b):
+    """The Args fields, other than REPORT_ONLY, that two command lines of `script` set differently."""
+    Args = importlib.import_module(script[:-3]).Args
+    a, b = (vars(tyro.cli(Args, args=args)) for args in (args_a, args_b))
+    return {k: (a[k], b[k]) for k in a if k not in REPORT_ONLY and a[k] != b[k]}
+
+
+def test_the_comparison_catches_a_difference_and_ignores_report_flags():
+    """Another learning rate is a difference; a value spelt differently, a default left out or a report flag is not."""
+    script, stage_args = quickstart_stages()[2]  # dpo.py
+    changed = [("3e-4" if w == "1e-4" else w) for w in stage_args]
+    assert differences(script, changed, stage_args) == {"learning_rate": (3e-4, 1e-4)}
+    same = [("0.0001" if w == "1e-4" else w) for w in stage_args] + ["--log_every", "1", "--num_train_epochs", "1"]
+    assert differences(script, same, stage_args) == {}

@@ -4,6 +4,7 @@ LR schedule is exact and ends at the last optimizer step; a run stopped by SIGTE
 --resume_from auto continues bit for bit. grpo.py and ppo.py sample their own data: their rollouts do not depend on the
 number of processes (generation chunks are seeded by rollout and chunk), so the same comparisons hold."""
 
+import concurrent.futures
 import json
 import math
 import os
@@ -16,7 +17,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, read_metrics, run_script, script_env
+from conftest import ROOT, read_metrics, run_scripts, script_env
 from safetensors.torch import load_file
 from toy_task import in_flawed_subset
 
@@ -104,22 +105,19 @@ def split_runs(request, toy, tmp_path_factory):
         rows = [row for row in rows if in_flawed_subset(json.loads(row)["prompt"])]
     rows = rows[:48]
     (root / "small.jsonl").write_text("".join(rows))
-    runs = {}
-    for nproc, mb, ga in SPLITS:
-        out = root / f"{nproc}x{mb}x{ga}"
+    runs, launches = {split: root / "x".join(map(str, split)) for split in SPLITS}, []
+    for (nproc, mb, ga), out in runs.items():
         args = (
             common_args(script, model, root / "small.jsonl", out)
             + reward
             + ["--per_device_train_batch_size", mb, "--gradient_accumulation_steps", ga, "--save_every", 6]
         )
-        if (
-            ga > 1
-        ):  # parameters kept gathered from forward to backward (and, grpo/ppo, from generation on): the same run
+        if ga > 1:  # parameters kept gathered from forward to backward (and, grpo/ppo, from generation on): same run
             args.append("--no-reshard_after_forward")
-        result = run_script(script, args, nproc=nproc)
+        launches.append((script, args, nproc))
+    for result in run_scripts(launches):  # the three at once
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
         assert "no split 'test': eval skipped" in result.stdout
-        runs[(nproc, mb, ga)] = out
     return script, model, root, runs, reward
 
 
@@ -221,47 +219,46 @@ def test_sigterm_or_sigkill_then_resume_auto_continues_the_same_run(split_runs):
     script, model, root, runs, reward = split_runs
     straight = runs[(2, 4, 1)]
     rl = script in RL
-    for kill in [False, True] if script == "sft.py" else [False]:
-        stop_after = random.randint(
-            1, 5 if rl else 10
-        )  # logged steps before the signal (grpo, ppo: within the first rollout)
-        out = root / f"interrupted_{kill}"
-        args = (
-            common_args(script, model, root / "small.jsonl", out)
-            + reward
-            + ["--per_device_train_batch_size", 4, "--save_every", 6, "--resume_from", "auto"]
-        )
-        returncode, output = interrupted_run(script, args, 2, out, stop_after, kill)
-        message = (script, "SIGKILL" if kill else "SIGTERM", stop_after, output[-3000:])
+    kills = [False, True] if script == "sft.py" else [False]
+    # logged steps before the signal (grpo, ppo: within the first rollout)
+    stops = {kill: random.randint(1, 5 if rl else 10) for kill in kills}
+    outs = {kill: root / f"interrupted_{kill}" for kill in kills}
+    args = {
+        kill: common_args(script, model, root / "small.jsonl", outs[kill])
+        + reward
+        + ["--per_device_train_batch_size", 4, "--save_every", 6, "--resume_from", "auto"]
+        for kill in kills
+    }
+    with concurrent.futures.ThreadPoolExecutor(len(kills)) as pool:  # sft: the SIGTERM and the SIGKILL run at once
+        stopped = dict(zip(kills, pool.map(lambda k: interrupted_run(script, args[k], 2, outs[k], stops[k], k), kills)))
+    for kill, (returncode, output) in stopped.items():
+        message = (script, "SIGKILL" if kill else "SIGTERM", stops[kill], output[-3000:])
         if kill:
             assert returncode != 0 and "stopped by" not in output, message
         else:
             saved = re.search(r"stopped by SIGTERM: checkpoint .*step_(\d+);", output)
-            assert saved and int(saved.group(1)) >= stop_after and (not rl or int(saved.group(1)) % 6 == 0), message
-            assert returncode != 0 and not (out / "model.safetensors").exists(), message  # interrupted, not finished
-        result = run_script(script, args, nproc=2)
+            assert saved and int(saved.group(1)) >= stops[kill] and (not rl or int(saved.group(1)) % 6 == 0), message
+            assert returncode != 0 and not (outs[kill] / "model.safetensors").exists(), message  # not finished
+    # the same commands again, and for sft the same run continued on 1 process (micro-batch 8) from the straight run's
+    # checkpoint: DCP reshards; equal to the split tolerance
+    one_process = common_args(script, model, root / "small.jsonl", root / "one_process")
+    one_process += ["--per_device_train_batch_size", 8, "--resume_from", straight / "checkpoints" / "step_6"]
+    launches = [(script, args[kill], 2) for kill in kills] + ([(script, one_process, 1)] if script == "sft.py" else [])
+    results = run_scripts(launches)
+    for kill, result in zip(kills, results):
+        message = (script, "SIGKILL" if kill else "SIGTERM", stops[kill])
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
-        assert UNTIMED(read_metrics(out)) == UNTIMED(read_metrics(straight)), message
-        a, b = load_file(straight / "model.safetensors"), load_file(out / "model.safetensors")
+        assert UNTIMED(read_metrics(outs[kill])) == UNTIMED(read_metrics(straight)), message
+        a, b = load_file(straight / "model.safetensors"), load_file(outs[kill] / "model.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a), message
-    if (
-        script == "sft.py"
-    ):  # the same run continued on 1 process (micro-batch 8): DCP reshards; equal to split tolerance
-        out = root / "one_process"
-        args = common_args(script, model, root / "small.jsonl", out) + [
-            "--per_device_train_batch_size",
-            8,
-            "--resume_from",
-            straight / "checkpoints" / "step_6",
-        ]
-        result = run_script(script, args, nproc=1)
+    if script == "sft.py":
+        result, out = results[-1], root / "one_process"
         assert result.returncode == 0 and "resuming on 1 processes a run of 2" in result.stdout, (
             result.stdout[-2000:] + result.stderr[-8000:]
         )
         rows, want = read_metrics(out), read_metrics(straight)[6:]
-        assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in want], rel=1e-4) and [
-            r["step"] for r in rows
-        ] == list(range(7, 13))
+        assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in want], rel=1e-4)
+        assert [r["step"] for r in rows] == list(range(7, 13))
         a, b = load_file(straight / "model.safetensors"), load_file(out / "model.safetensors")
         for name in a:
             torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-5, msg=name)
