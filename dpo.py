@@ -395,6 +395,38 @@ def claim_output_dir(args, rank, auto):
         raise ValueError(verdict[0])
 
 
+def missing_local_path(path):
+    """A name meant as a local file or folder that is not there: an absolute or ./ path, or one whose first folder is
+    here (runs/sft, with runs/ here). Such a name is not sent to the hub, where it would be retried for a minute."""
+    first = path.split("/")[0]
+    meant_local = path.startswith(("/", "./", "../", "~")) or ("/" in path and os.path.isdir(first))
+    return meant_local and not os.path.exists(os.path.expanduser(path))
+
+
+def data_file_problem(path):
+    """Why a local JSON/JSONL file did not load, by line (datasets' own error does not say where): empty, not UTF-8,
+    or a line that is not JSON. None when none of these is the cause."""
+    raw = open(path, "rb").read()
+    if not raw.strip():
+        return f"dataset file {path!r} is empty"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        return f"dataset file {path!r} line {line} is not UTF-8 text ({e.reason} at byte {e.start})"
+    try:
+        json.loads(text)  # one JSON document is a valid file too
+        return None
+    except json.JSONDecodeError:
+        pass
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            json.loads(line) if line.strip() else None
+        except json.JSONDecodeError as e:
+            return f"dataset file {path!r} line {number} is not valid JSON ({e.msg}, column {e.colno}): {line[:80]!r}"
+    return None
+
+
 def load_split(name, split):
     """A split of a hub dataset, a local dataset folder, or a local file (a single file is the train split).
     Returns None when there is no such split."""
@@ -404,10 +436,19 @@ def load_split(name, split):
         if extension not in builders:
             raise ValueError(f"dataset file {name!r}: unknown format .{extension}; give a .json, .jsonl, .parquet or "
                              ".csv file, a folder of them, or a hub id")
-        return datasets.load_dataset(builders[extension], data_files=name, split="train") if split == "train" else None
+        if split != "train":
+            return None
+        try:
+            return datasets.load_dataset(builders[extension], data_files=name, split="train")
+        except Exception as e:  # datasets' own errors name neither the line nor the cause
+            problem = data_file_problem(name) if builders[extension] == "json" else None
+            raise ValueError(problem or f"dataset file {name!r} does not load: {e!r}") from e
     if os.path.isfile(os.path.join(name, "dataset_dict.json")):  # a DatasetDict written by save_to_disk
         dataset_dict = datasets.load_from_disk(name)
         return dataset_dict[split] if split in dataset_dict else None
+    if missing_local_path(name):
+        raise ValueError(f"dataset {name!r}: no such file or folder (a hub id is owner/name, with no local folder of "
+                         "that name)")
     try:
         return datasets.load_dataset(name, split=split)
     except ValueError as e:
@@ -423,6 +464,8 @@ def load_pretrained(auto_class, path, args, flag):
     """auto_class.from_pretrained(path), stopping with a message that names the flag when `path` is not such a model
     or tokenizer, or when the model lacks weights (a causal LM given as a reward model would get a random score head:
     HF only warns). Code from the hub runs only with --trust_remote_code."""
+    if missing_local_path(path):
+        raise ValueError(f"{flag} {path!r}: no such folder (a hub id is owner/name, with no local folder of that name)")
     model_kwargs = {} if auto_class is AutoTokenizer else {"dtype": torch.float32, "output_loading_info": True}
     try:
         loaded = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **model_kwargs)
@@ -484,13 +527,34 @@ def load_tokenizer(args):
     return tokenizer, pad_token_id
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")  # the roles of a conversation's messages
+
+
 def check_text_columns(dataset, args, split):
     """The columns the scripts read as text must have been read as text. A CSV cell, or a JSON value in a column
     that mixes strings and numbers, that looks like a number comes back as one: "0457" becomes 457, and a verifier
-    then scores the right answer 0. Conversations (lists of messages) are the other form a column may take."""
+    then scores the right answer 0. Conversations (lists of messages) are the other form a column may take; each
+    message needs a known role and a text content, and no row may lack a column the others have."""
     for column in ["prompt", "completion", "chosen", "rejected", "messages", getattr(args, "answer_column", "answer")]:
         feature = dataset.features.get(column)
-        if feature is None or isinstance(feature, (list, datasets.List, datasets.LargeList, datasets.Sequence)):
+        if feature is None:
+            continue
+        where = f"dataset {args.dataset_name!r}, split {split!r}"
+        try:
+            values = list(dataset[column])
+        except UnicodeDecodeError as e:  # pyarrow keeps the bytes unchecked: they fail when read as text
+            problem = data_file_problem(args.dataset_name) if args.dataset_name.endswith((".json", ".jsonl")) else None
+            raise ValueError(problem or f"{where}, column {column!r}: text that is not UTF-8 ({e.reason})") from e
+        for row, value in enumerate(values):  # a row without it, or a conversation with a malformed message
+            if value is None:
+                raise ValueError(f"{where}, row {row}: no {column!r} (every row needs the same columns: rows of "
+                                 "prompt/completion and rows of messages cannot be mixed)")
+            bad = [m for m in value if not isinstance(m, dict) or m.get("role") not in ROLES
+                   or not isinstance(m.get("content"), str)] if isinstance(value, list) else []
+            if bad:
+                raise ValueError(f"{where}, row {row}, column {column!r}: message {bad[0]!r} needs a role (one of "
+                                 f"{', '.join(ROLES)}) and a text content")
+        if isinstance(feature, (list, datasets.List, datasets.LargeList, datasets.Sequence)):
             continue
         if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
             continue

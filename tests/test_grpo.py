@@ -221,6 +221,19 @@ def test_verifiers_by_hand():
     assert verifier_reward("#### 0", "0", "gsm8k") == 1.0  # 0 is a number, not a missing one
     assert verifier_reward("The answer is 18", "18", "gsm8k") == 0.0  # gsm8k wants the '#### N' form
     assert verifier_reward("#### $1,000", "1000", "gsm8k") == 1.0
+    # no right boundary once: 1,2345 read as 1,234; 12,34 and 3/4 as 12 and 3; "costs 1,2345" as 5. A malformed
+    # thousands group, a fraction or a run of dots is no number at all now
+    for completion, answer in [
+        ("#### 1,2345", "1234"),
+        ("#### 12,34", "12"),
+        ("#### 3/4", "3"),
+        ("#### 12.5.6", "12.5"),
+    ]:
+        assert verifier_reward(completion, answer, "gsm8k") == 0.0, completion
+    assert parse_answer("it costs 1,2345", "last_number") is None and parse_answer("3/4 of 8", "last_number") == 8
+    assert verifier_reward("#### -1,234.50", "-1234.5", "gsm8k") == 1.0  # sign, thousands and decimals together
+    assert verifier_reward("#### 7 ... #### 9", "7", "gsm8k") == 1.0  # several: the first '####' counts
+    assert verifier_reward("so 12. Done", "12", "last_number") == 1.0  # a full stop is not a decimal point
 
 
 # ---------------------------------------------------------------------------------------------- generation

@@ -586,3 +586,49 @@ def test_tokenizer_and_model_limits_are_checked_before_the_model_loads(toy, tmp_
     error, _ = run_in_process("grpo.py", args)
     assert isinstance(error, ValueError) and "past the 256 positions" in str(error), repr(error)
     assert "--max_completion_length 100000 new tokens" in str(error)
+
+
+def test_data_a_library_would_choke_on_is_named_by_file_row_and_cause(toy, tmp_path):
+    """Once library tracebacks (or, for one, a conversation trained on with an empty turn): a malformed JSON line, bytes
+    that are not UTF-8, an empty file, a message with an unknown role or without content, rows of messages mixed with
+    rows of prompt/completion. Each now stops before the model loads, naming the file or split and the row."""
+    rows = open(toy / "sft" / "train.jsonl").readlines()[:40]
+    conversation = [{"role": "user", "content": "sort: 21 ->"}, {"role": "assistant", "content": " 12"}]
+
+    def messages(*last):
+        return [json.dumps({"messages": conversation}) + "\n"] * 39 + [json.dumps({"messages": list(last)}) + "\n"]
+
+    cases = {
+        "broken.jsonl": (
+            "".join(rows[:5]) + '{"prompt": "sort: 21 ->", "completion": \n' + "".join(rows[5:]),
+            "line 6 is not valid JSON",
+        ),
+        "latin1.jsonl": (
+            "".join(rows[:2]).encode() + '{"prompt": "caf\xe9", "completion": " 1"}\n'.encode("latin-1"),
+            "line 3 is not UTF-8 text",
+        ),
+        "empty.jsonl": ("", "is empty"),
+        "role.jsonl": (
+            "".join(messages(conversation[0], {"role": "bot", "content": " 12"})),
+            "row 39, column 'messages': message {'role': 'bot', 'content': ' 12'} needs a role",
+        ),
+        "content.jsonl": ("".join(messages(conversation[0], {"role": "assistant"})), "needs a role (one of system"),
+        "mixed.jsonl": ("".join(rows[:39]) + json.dumps({"messages": conversation}) + "\n", "row 39: no 'prompt'"),
+    }
+    for name, (content, expected) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        error, _ = run_in_process("sft.py", script_args("sft.py", toy / "model", path, tmp_path / name[:-6], None))
+        assert isinstance(error, ValueError) and expected in str(error), (name, repr(error))
+
+
+def test_a_local_path_that_is_not_there_is_not_looked_up_on_the_hub(toy, tmp_path):
+    """`--model_name_or_path runs/sft` with no such folder once spent a minute retrying the hub, then a traceback per
+    rank. A name meant as local (absolute, ./, or under a folder that is here) that is not there stops at once."""
+    for flag, script_args_for in (
+        ("--model_name_or_path", lambda p: script_args("sft.py", p, toy / "sft", tmp_path / "o1", None)),
+        ("dataset", lambda p: script_args("sft.py", toy / "model", p, tmp_path / "o2", None)),
+    ):
+        for missing in (str(tmp_path / "nowhere"), f"{toy}/sft_typo"):
+            error, _ = run_in_process("sft.py", script_args_for(missing))
+            assert isinstance(error, ValueError) and f"{flag} {missing!r}: no such" in str(error), repr(error)
