@@ -87,7 +87,7 @@ def test_bad_input_names_the_problem_and_the_fix(script, toy, scored_model, tmp_
         (
             "nowhere",
             *run(toy / "model", tmp_path / "nowhere"),
-            "is neither a local file or folder of data files nor a dataset on the hub",
+            "no such file or folder (a hub id is owner/name",
         )
     )
     # a missing column
