@@ -2,7 +2,8 @@
 
     bash bench/gpu_wheels.sh               # on the CPU machine, once: what the GPU machine lacks, as wheels in .whl/
     bash bench/gpu.sh --out runs/gpu       # on the GPU machine: installs .whl/ if needed, then runs this file
-    bash bench/gpu.sh --dry-run            # the same steps at toy size on CPU (tests/test_gpu_bench.py runs it)
+    bash bench/gpu.sh --dry-run            # the same steps at toy size on CPU (tests/test_gpu_bench.py runs it),
+                                           # without sft_again and the static-cache runs, each as `python script.py`
 
 Stages (a failed check is named in the results and the summary; a failed stage does not stop the next one):
   env          machine, versions, the measured bf16 matrix-product rate, the dense bf16 peak that MFU is taken against
