@@ -570,7 +570,7 @@ def data_file_problem(path):
         pass
     for number, line in enumerate(text.splitlines(), 1):
         try:
-            json.loads(line) if line.strip() else None
+            json.loads(line.strip() or "null")  # a blank line is no row, and no error
         except json.JSONDecodeError as e:
             return f"dataset file {path!r} line {number} is not valid JSON ({e.msg}, column {e.colno}): {line[:80]!r}"
     return None

@@ -187,7 +187,7 @@ def sync():
 # ---------------------------------------------------------------------------------------------------------------------
 def torchrun(script, arguments):
     """One process: torchrun on a GPU, as users launch there. On CPU (the dry run) `python script.py`, the scripts'
-    one-process path without the launcher's own interpreter, which is a third of a toy run's CPU time."""
+    one-process path without the launcher's own interpreter (measured: 1.7 of a 2-step sft run's 7.9 CPU-seconds)."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
     return (launcher if torch.cuda.is_available() else [sys.executable]) + [script] + [str(a) for a in arguments]
 
