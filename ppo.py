@@ -598,6 +598,8 @@ def load_split(name, split):
     if missing_local_path(name):
         raise ValueError(f"dataset {name!r}: no such file or folder (a hub id is owner/name, with no local folder of "
                          "that name)")
+    if os.path.isdir(name):
+        check_split_files(name)
     try:
         return datasets.load_dataset(name, split=split)
     except ValueError as e:
@@ -609,15 +611,39 @@ def load_split(name, split):
                          f"{e}") from e
 
 
+DATA_EXTENSIONS = (".json", ".jsonl", ".parquet", ".csv")
+
+
+def check_split_files(folder):
+    """Every data file of a local folder must land in a split. datasets names a split after a word in a file or folder
+    name (train; test or eval; validation or dev) and, once one name has such a word, silently skips the files whose
+    names have none (with none at all, every file is train)."""
+    splits = {str(split): files for split, files in datasets.load_dataset_builder(folder).config.data_files.items()}
+    used, skipped = {os.path.realpath(f) for files in splits.values() for f in files}, []
+    for root, folders, files in os.walk(folder):
+        folders[:] = [f for f in folders if not f.startswith((".", "__"))]  # hidden: datasets skips them too
+        paths = [os.path.join(root, f) for f in files if f.endswith(DATA_EXTENSIONS) and not f.startswith((".", "__"))]
+        skipped += [os.path.relpath(p, folder) for p in paths if os.path.realpath(p) not in used]
+    if skipped:
+        found = "; ".join(f"{split}: {[os.path.relpath(f, folder) for f in files]}" for split, files in splits.items())
+        raise ValueError(f"dataset folder {folder!r}: {sorted(skipped)} would be in no split (found {found}). A split "
+                         "is named after a word in the file or folder name (train; test or eval; validation or dev): "
+                         "rename the files, e.g. train.jsonl and test.jsonl")
+
+
 def load_pretrained(auto_class, path, args, flag):
     """auto_class.from_pretrained(path), stopping with a message that names the flag when `path` is not such a model
     or tokenizer, or when the model lacks weights (a causal LM given as a reward model would get a random score head:
     HF only warns). Code from the hub runs only with --trust_remote_code."""
     if missing_local_path(path):
         raise ValueError(f"{flag} {path!r}: no such folder (a hub id is owner/name, with no local folder of that name)")
+    from safetensors import SafetensorError  # the error of a damaged weights file (transformers' format)
+
     model_kwargs = {} if auto_class is AutoTokenizer else {"dtype": torch.float32, "output_loading_info": True}
     try:
         loaded = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **model_kwargs)
+    except SafetensorError as e:  # e.g. "incomplete metadata, file not fully covered": a file cut short
+        raise ValueError(f"{flag} {path!r}: a weights file there is damaged ({e}); copy or download it again") from e
     except (OSError, ValueError) as e:
         raise ValueError(f"{flag} {path!r} does not load with {auto_class.__name__}: {e}") from e
     if auto_class is AutoTokenizer:
@@ -720,7 +746,9 @@ def load_data(args, tokenizer, tokenize, rank):
     the train split's dropped rows by reason."""
     train_dataset = load_split(args.dataset_name, args.dataset_train_split)
     if train_dataset is None:
-        raise ValueError(f"dataset {args.dataset_name!r} has no split {args.dataset_train_split!r}")
+        raise ValueError(f"dataset {args.dataset_name!r} has no split {args.dataset_train_split!r}: give another "
+                         "with --dataset_train_split (a data folder's splits are named after its files, e.g. "
+                         "train.jsonl and test.jsonl)")
     check_text_columns(train_dataset, args, args.dataset_train_split)
     train, dropped = tokenize(train_dataset, tokenizer, args)
     eval_dataset = load_split(args.dataset_name, args.dataset_test_split)
@@ -1177,30 +1205,41 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state):
     rank the scheduler, the RNG states and `state` (the loop's own: skipped steps, the KL controller) in a
     weights_only file. Written as step_N.tmp; when every rank is done, rank 0 lists each file with its size in
     checkpoint.json (with the arguments) and renames the folder, so a crash while saving leaves the previous
-    checkpoint the latest complete one. --keep_last N then removes the older ones. Returns the folder."""
+    checkpoint the latest complete one. --keep_last N then removes the older ones. Returns the folder. A write that
+    fails (a full disk) removes the partial folder and stops the run, naming the checkpoint to resume from."""
     rank = dist.get_rank()
     path = os.path.join(args.output_dir, "checkpoints", f"step_{step}")
     if rank == 0:
         shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # left by a crash
     dist.barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=f"{path}.tmp")
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    extra = {"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state}
-    torch.save(extra, f"{path}.tmp/rank{rank}.pt")
-    dist.barrier()
-    if rank == 0:
-        files = {name: os.path.getsize(os.path.join(f"{path}.tmp", name)) for name in os.listdir(f"{path}.tmp")}
-        with open(f"{path}.tmp/checkpoint.json", "w") as f:
-            json.dump({"step": step, "args": vars(args), "files": files}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        shutil.rmtree(path, ignore_errors=True)  # a run restarted into the same output_dir overwrites its old step
-        os.replace(f"{path}.tmp", path)
-        for old in complete_checkpoints(args.output_dir)[: -args.keep_last] if args.keep_last > 0 else []:
-            shutil.rmtree(old)
+    try:
+        dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=f"{path}.tmp")
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        extra = {"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state}
+        torch.save(extra, f"{path}.tmp/rank{rank}.pt")
+        dist.barrier()
+        if rank == 0:
+            files = {name: os.path.getsize(os.path.join(f"{path}.tmp", name)) for name in os.listdir(f"{path}.tmp")}
+            with open(f"{path}.tmp/checkpoint.json", "w") as f:
+                json.dump({"step": step, "args": vars(args), "files": files}, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            shutil.rmtree(path, ignore_errors=True)  # a run restarted into the same output_dir overwrites its old step
+            os.replace(f"{path}.tmp", path)
+            for old in complete_checkpoints(args.output_dir)[: -args.keep_last] if args.keep_last > 0 else []:
+                shutil.rmtree(old)
+    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # DCP gathers every rank's write errors in one
+        if rank == 0:
+            shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # what was written of it: room for the next try
+        cause = next(iter(e.failures.values()))[0] if isinstance(e, dcp.api.CheckpointException) else e
+        last = (complete_checkpoints(args.output_dir) or ["none"])[-1]
+        free = shutil.disk_usage(args.output_dir).free / 2**30
+        raise OSError(f"step {step}: the checkpoint {path} could not be written ({cause!r}; {free:.1f} GiB free "
+                      f"there). The latest complete checkpoint, {last}, is kept: make room, then run the same command "
+                      "with --resume_from auto") from e
     dist.barrier()
     return path
 

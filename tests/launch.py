@@ -10,7 +10,9 @@ FSDP2 over gloo. The suite went from 631 s to 367 s.
 
 What torchrun itself does (forwarding SIGTERM to the workers, its exit code, the start-up) is tested through
 torchrun: the SIGTERM/SIGKILL resume tests, the quickstart and the GPU bench's dry run launch it as users do.
-Like any multiprocessing child, a fork first imports the parent's main module unless it is a package's __main__
+A fork ends as multiprocessing's children do, with os._exit after the script: what would happen at interpreter
+shutdown (a crash while tearing down) shows only in those torchrun launches. Like any multiprocessing child, a fork
+first imports the parent's main module unless it is a package's __main__
 (`python -m pytest`: nothing; the `pytest` command: its small script).
 """
 

@@ -4,6 +4,7 @@ when complete and only by the run it belongs to, and loading one runs no code. T
 --resume_from auto) are in test_training_loop.py, next to the uninterrupted runs they are compared with.
 These runs stop before or at their first steps, so they run inside the test process (conftest.run_in_process)."""
 
+import errno
 import json
 import os
 import pickle
@@ -632,3 +633,70 @@ def test_a_local_path_that_is_not_there_is_not_looked_up_on_the_hub(toy, tmp_pat
         for missing in (str(tmp_path / "nowhere"), f"{toy}/sft_typo"):
             error, _ = run_in_process("sft.py", script_args_for(missing))
             assert isinstance(error, ValueError) and f"{flag} {missing!r}: no such" in str(error), repr(error)
+
+
+def test_a_damaged_weights_file_names_the_flag(toy, scored_model, tmp_path):
+    """A model.safetensors cut short (an interrupted copy) once gave safetensors' own traceback, "incomplete metadata,
+    file not fully covered". The shared loader (every --*_path flag) and reward.py's loader now name the flag."""
+    for name, source in (("policy", toy / "model"), ("scorer", scored_model)):
+        shutil.copytree(source, tmp_path / name)
+        weights = tmp_path / name / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    cases = [
+        ("sft.py", tmp_path / "policy", None, "--model_name_or_path", "a weights file there is damaged"),
+        ("grpo.py", toy / "model", tmp_path / "scorer", "--reward_model_path", "a weights file there is damaged"),
+        ("reward.py", tmp_path / "policy", None, "--model_name_or_path", "incomplete metadata"),
+    ]
+    for script, model, reward, flag, expected in cases:
+        args = script_args(script, model, toy / DATA[script], tmp_path / script[:-3], reward)
+        error, _ = run_in_process(script, args)
+        assert isinstance(error, ValueError) and str(error).startswith(flag) and expected in str(error), repr(error)
+
+
+def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(toy, tmp_path, monkeypatch):
+    """The disk fills up while step 4's checkpoint is written (DCP's file writer raises ENOSPC, as a full disk makes
+    it): the run stops naming the cause and step_2, the latest complete checkpoint, which is kept; the partial step_4
+    is removed; the same command with --resume_from auto then finishes the run from step_2."""
+    from torch.distributed.checkpoint import filesystem
+
+    write_item, checkpoints = filesystem._write_item, tmp_path / "checkpoints"
+
+    def fills_up(*args, **kwargs):
+        if (checkpoints / "step_2").exists():  # the first checkpoint is written whole
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write_item(*args, **kwargs)
+
+    monkeypatch.setattr(filesystem, "_write_item", fills_up)
+    args = script_args("sft.py", toy / "model", toy / "sft", tmp_path, None, "--max_steps", 6, "--save_every", 2)
+    error, _ = run_in_process("sft.py", args)
+    assert isinstance(error, OSError) and str(error).startswith("step 4: the checkpoint"), repr(error)
+    assert "No space left on device" in str(error) and f"checkpoint, {checkpoints / 'step_2'}, is kept" in str(error)
+    assert sorted(os.listdir(checkpoints)) == ["step_2"] and [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+    monkeypatch.setattr(filesystem, "_write_item", write_item)  # room again
+    error, _ = run_in_process("sft.py", args + ["--resume_from", "auto"])
+    assert error is None and [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6], repr(error)
+    assert sorted(os.listdir(checkpoints)) == ["step_2", "step_4", "step_6"]
+
+
+def test_a_data_folder_whose_files_datasets_would_skip(toy, tmp_path):
+    """datasets names a folder's splits after words in its file names and silently skips the other files once one
+    matches: `mine.jsonl` beside `eval.jsonl` trained on nothing (no train split), `holdout.jsonl` beside train.jsonl
+    and dev.jsonl was dropped. Each is named now, with the splits found and the rule; a folder of unnamed files (all
+    train, datasets' rule) still runs."""
+    rows = open(toy / "sft" / "train.jsonl").readlines()[:8]
+    cases = {
+        "a": ({"mine.jsonl": rows, "eval.jsonl": rows[:2]}, "['mine.jsonl'] would be in no split (found test: "),
+        "b": ({"train.jsonl": rows, "dev.jsonl": rows[:2], "holdout.jsonl": rows[:2]}, "['holdout.jsonl'] would be"),
+        "c": ({"eval.jsonl": rows}, "has no split 'train': give another with --dataset_train_split"),
+        "d": ({"part1.jsonl": rows[:4], "part2.jsonl": rows[4:]}, None),
+    }
+    for name, (files, expected) in cases.items():
+        (tmp_path / name).mkdir()
+        for file, lines in files.items():
+            (tmp_path / name / file).write_text("".join(lines))
+        args = script_args("sft.py", toy / "model", tmp_path / name, tmp_path / f"out_{name}", None, "--max_steps", 1)
+        error, printed = run_in_process("sft.py", args)
+        if expected is None:
+            assert error is None and "train: 8 of 8 rows kept" in printed, (repr(error), printed[-2000:])
+        else:
+            assert isinstance(error, ValueError) and expected in str(error), (name, repr(error))
