@@ -682,13 +682,14 @@ def test_a_data_folder_whose_files_datasets_would_skip(toy, tmp_path):
     """datasets names a folder's splits after words in its file names and silently skips the other files once one
     matches: `mine.jsonl` beside `eval.jsonl` trained on nothing (no train split), `holdout.jsonl` beside train.jsonl
     and dev.jsonl was dropped. Each is named now, with the splits found and the rule; a folder of unnamed files (all
-    train, datasets' rule) still runs."""
+    train, datasets' rule) still runs, and so does one with datasets' own metadata file beside its splits."""
     rows = open(toy / "sft" / "train.jsonl").readlines()[:8]
     cases = {
         "a": ({"mine.jsonl": rows, "eval.jsonl": rows[:2]}, "['mine.jsonl'] would be in no split (found test: "),
         "b": ({"train.jsonl": rows, "dev.jsonl": rows[:2], "holdout.jsonl": rows[:2]}, "['holdout.jsonl'] would be"),
         "c": ({"eval.jsonl": rows}, "has no split 'train': give another with --dataset_train_split"),
         "d": ({"part1.jsonl": rows[:4], "part2.jsonl": rows[4:]}, None),
+        "e": ({"train.jsonl": rows, "test.jsonl": rows[:2], "dataset_infos.json": ["{}"]}, None),  # datasets' metadata
     }
     for name, (files, expected) in cases.items():
         (tmp_path / name).mkdir()
@@ -697,6 +698,6 @@ def test_a_data_folder_whose_files_datasets_would_skip(toy, tmp_path):
         args = script_args("sft.py", toy / "model", tmp_path / name, tmp_path / f"out_{name}", None, "--max_steps", 1)
         error, printed = run_in_process("sft.py", args)
         if expected is None:
-            assert error is None and "train: 8 of 8 rows kept" in printed, (repr(error), printed[-2000:])
+            assert error is None and "train: 8 of 8 rows kept" in printed, (name, repr(error), printed[-2000:])
         else:
             assert isinstance(error, ValueError) and expected in str(error), (name, repr(error))
