@@ -1231,8 +1231,6 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state):
                 os.fsync(f.fileno())
             shutil.rmtree(path, ignore_errors=True)  # a run restarted into the same output_dir overwrites its old step
             os.replace(f"{path}.tmp", path)
-            for old in complete_checkpoints(args.output_dir)[: -args.keep_last] if args.keep_last > 0 else []:
-                shutil.rmtree(old)
     except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # DCP gathers every rank's write errors in one
         if rank == 0:
             shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # what was written of it: room for the next try
@@ -1242,6 +1240,9 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state):
         raise OSError(f"step {step}: the checkpoint {path} could not be written ({cause!r}; {free:.1f} GiB free "
                       f"there). The latest complete checkpoint, {last}, is kept: make room, then run the same command "
                       "with --resume_from auto") from e
+    if rank == 0:  # the new checkpoint is complete: --keep_last may drop older ones
+        for old in complete_checkpoints(args.output_dir)[: -args.keep_last] if args.keep_last > 0 else []:
+            shutil.rmtree(old)
     dist.barrier()
     return path
 
