@@ -650,8 +650,8 @@ def check_split_files(folder):
     used, skipped = {os.path.realpath(f) for files in splits.values() for f in files}, []
     for root, folders, files in os.walk(folder):
         folders[:] = [f for f in folders if not f.startswith((".", "__"))]  # hidden: datasets skips them too
-        files = [f for f in files if f.endswith(DATA_EXTENSIONS) and f not in DATASETS_METADATA]
-        paths = [os.path.join(root, f) for f in files if not f.startswith((".", "__"))]
+        paths = [os.path.join(root, f) for f in files if f.endswith(DATA_EXTENSIONS) and f not in DATASETS_METADATA
+                 and not f.startswith((".", "__"))]
         skipped += [os.path.relpath(p, folder) for p in paths if os.path.realpath(p) not in used]
     if skipped:
         found = "; ".join(f"{split}: {[os.path.relpath(f, folder) for f in files]}" for split, files in splits.items())

@@ -1,12 +1,13 @@
 """The tests' quick launcher: `torchrun --nproc_per_node N script.py ...` without paying each process's start-up.
 
-On the 2-core CI machine a fresh process spends about 6 CPU-s importing torch, transformers, datasets and the toy
-model's code before its first step, and torchrun's own process 2 more: a 12-step sft run on the toy task took 10.6 s
-as `python sft.py`, of which 1.4 s was the run itself. Here one server process imports all that once
+On the 2-core CI machine a fresh process spends about 4 CPU-s importing torch, transformers and datasets (`python
+sft.py --help`: 3.8 s user, 0.5 s system), then more inside from_pretrained for the model's code (1.3 s under cProfile),
+and torchrun's own process about 1.7 CPU-s: a 12-step sft run on the toy task took 10.6 s as `python sft.py`, and
+1.4 s as a fork of a process that had imported all that. Here one server process does those imports once
 (multiprocessing's "forkserver", started with the scripts' environment) and every rank of every run is a fork of it
 that runs the script as `python script.py` would, with the variables torchrun gives its workers (RANK, LOCAL_RANK,
 WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): the same code path, init_process_group from those variables,
-FSDP2 over gloo. The suite went from 631 s to 367-407 s (bench/RESULTS.md, session 11).
+FSDP2 over gloo. The suite went from 631 s to 367-486 s (bench/RESULTS.md, session 11).
 
 What torchrun itself does (forwarding SIGTERM to the workers, its exit code, the start-up) is tested through
 torchrun: the SIGTERM/SIGKILL resume tests, the quickstart and the GPU bench's dry run launch it as users do.
@@ -30,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 # Imported once in the server, inherited by every fork: the scripts themselves (as modules: their imports, no main)
-# and what they import lazily (the toy model's architecture and tokenizer), about 4 CPU-s in each fresh process.
+# and what they import lazily (the toy model's architecture and tokenizer).
 sys.path[0:0] = [ROOT]
 for name in ("sft", "reward", "dpo", "grpo", "ppo"):
     importlib.import_module(name)
@@ -101,12 +102,13 @@ def launch(path, args, nproc, env, cwd, logs, timeout):
         process = ctx.Process(target=_rank, args=(path, args, rank_env, cwd, *files))
         process.start()
         processes.append((process, files))
-    deadline, failed = time.monotonic() + timeout, None
+    deadline, code, failed_at = time.monotonic() + timeout, 0, None
     while any(p.is_alive() for p, _ in processes):
         multiprocessing.connection.wait([p.sentinel for p, _ in processes if p.is_alive()], timeout=1)
-        ended = [p.exitcode for p, _ in processes if p.exitcode not in (None, 0)]
-        failed = failed or (ended and (ended[0], time.monotonic()))  # the root cause: the first rank that failed
-        if time.monotonic() > deadline or (failed and time.monotonic() > failed[1] + 5):
+        failed = [p.exitcode for p, _ in processes if p.exitcode not in (None, 0)]
+        if failed and failed_at is None:  # the root cause: the first failure seen (lowest rank if several at once)
+            code, failed_at = failed[0], time.monotonic()
+        if time.monotonic() > deadline or (failed_at is not None and time.monotonic() > failed_at + 5):
             for p, _ in processes:
                 p.kill()
             if time.monotonic() > deadline:
@@ -115,4 +117,4 @@ def launch(path, args, nproc, env, cwd, logs, timeout):
         p.join()
     stdout = "".join(open(files[0]).read() for _, files in processes)
     stderr = "".join(open(files[1]).read() for _, files in processes)
-    return subprocess.CompletedProcess([path] + args, failed[0] if failed else 0, stdout, stderr)
+    return subprocess.CompletedProcess([path] + args, code, stdout, stderr)
