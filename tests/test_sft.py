@@ -9,6 +9,7 @@ from conftest import read_metrics, reference_logprobs, run_script, tiny_gpt2
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sft import (
+    HeadLogprobs,
     completion_logprobs,
     global_batch,
     load_split,
@@ -50,6 +51,59 @@ def test_completion_logprobs_left_padding_and_temperature(temperature):
             reference_logprobs(model, prompts[1], completions[1])[:2],
             atol=1e-3,
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_head_logprobs_in_chunks_equal_autograd_through_the_whole_logits(monkeypatch, dtype, with_bias):
+    """Log-probs, entropies and the gradients of hidden states, weight and bias, against autograd through
+    log_softmax(logits.float() / T) over all rows at once; 10 rows in chunks of 3, 3, 3 and 1."""
+    monkeypatch.setattr(HeadLogprobs, "ROWS", 3)
+    torch.manual_seed(0)
+    hidden, weight, bias = torch.randn(10, 16), torch.randn(40, 16), torch.randn(40) if with_bias else None
+    labels, upstream = torch.randint(0, 40, (10,)), torch.randn(10)  # upstream: an arbitrary gradient of the output
+
+    def plain(h, w, b=None):
+        log_p = torch.log_softmax(torch.nn.functional.linear(h, w, b).float() / 0.7, -1)
+        return log_p.gather(-1, labels[:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)
+
+    def chunked(h, w, b=None):
+        return HeadLogprobs.apply(h, w, b, labels, 0.7, True)
+
+    results = []
+    for function in (plain, chunked):
+        leaves = [t.clone().to(dtype).requires_grad_() for t in (hidden, weight, bias) if t is not None]
+        logprobs, entropy = function(*leaves)
+        (logprobs * upstream).sum().backward()
+        results.append([logprobs.detach(), entropy.detach()] + [leaf.grad for leaf in leaves])
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for expected, got in zip(*results):
+        assert got.dtype == expected.dtype
+        torch.testing.assert_close(got, expected, **tolerance)
+    assert results[1][3].abs().max() > 0.1  # the weight's gradient is not trivially zero
+
+
+def test_head_logprobs_keeps_no_vocabulary_sized_tensor_for_the_backward():
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(64, 8, requires_grad=True), torch.randn(1000, 8, requires_grad=True)
+    labels = torch.randint(0, 1000, (64,))
+    for function, keeps_logits in (
+        (lambda: torch.log_softmax(hidden @ weight.T, -1).gather(-1, labels[:, None]), True),  # the control
+        (lambda: HeadLogprobs.apply(hidden, weight, None, labels, 1.0, False)[0], False),
+    ):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            function()
+        assert (max(saved) >= 64 * 1000) == keeps_logits, saved
+
+
+def test_completion_logprobs_refuses_a_head_that_is_not_linear():
+    model = tiny_gpt2()
+    input_ids, attention_mask, completion_mask = make_batch([[1, 2, 3]], [[4, 5]], pad_token_id=0)
+    completion_logprobs(model, input_ids, attention_mask, 2)
+    model.lm_head.register_forward_hook(lambda module, args, output: output / 30)  # a logit scale, as Cohere's
+    with pytest.raises(ValueError, match="not its head's linear map of its last hidden states"):
+        completion_logprobs(model, input_ids, attention_mask, 2)
 
 
 def test_sft_loss_is_token_mean_over_the_global_batch():
