@@ -43,6 +43,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--gradient_checkpointing", action="store_true", help="TRL 1.16's default is on; ours is off, so off here too"
     )
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (bench/head_memory.py)")
     args = parser.parse_args()
     os.makedirs(args.output_dir, exist_ok=True)
     common = dict(
@@ -55,7 +56,7 @@ if __name__ == "__main__":
         logging_steps=1,
         save_strategy="no",
         report_to="none",
-        bf16=torch.cuda.is_available(),  # as ours: bf16 compute on GPU, fp32 on CPU
+        bf16=torch.cuda.is_available() or args.bf16,  # as ours: bf16 compute on GPU, fp32 on CPU
         seed=1,
         dataloader_num_workers=0,
         gradient_checkpointing=args.gradient_checkpointing,
