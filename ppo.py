@@ -611,7 +611,8 @@ def load_split(name, split):
                          f"{e}") from e
 
 
-DATA_EXTENSIONS = (".json", ".jsonl", ".parquet", ".csv")
+DATA_EXTENSIONS = tuple(kind + packing for kind in (".json", ".jsonl", ".parquet", ".csv")
+                        for packing in ("", ".gz", ".bz2", ".xz", ".zst"))  # datasets reads them compressed too
 DATASETS_METADATA = {"dataset_infos.json", "dataset_info.json", "state.json", "dataset_dict.json"}  # datasets' own
 
 

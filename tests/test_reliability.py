@@ -5,6 +5,7 @@ when complete and only by the run it belongs to, and loading one runs no code. T
 These runs stop before or at their first steps, so they run inside the test process (conftest.run_in_process)."""
 
 import errno
+import gzip
 import json
 import os
 import pickle
@@ -682,7 +683,8 @@ def test_a_data_folder_whose_files_datasets_would_skip(toy, tmp_path):
     """datasets names a folder's splits after words in its file names and silently skips the other files once one
     matches: `mine.jsonl` beside `eval.jsonl` trained on nothing (no train split), `holdout.jsonl` beside train.jsonl
     and dev.jsonl was dropped. Each is named now, with the splits found and the rule; a folder of unnamed files (all
-    train, datasets' rule) still runs, and so does one with datasets' own metadata file beside its splits."""
+    train, datasets' rule) still runs, and so does one with datasets' own metadata file beside its splits. The same
+    for gzip-compressed files, which datasets reads too."""
     rows = open(toy / "sft" / "train.jsonl").readlines()[:8]
     cases = {
         "a": ({"mine.jsonl": rows, "eval.jsonl": rows[:2]}, "['mine.jsonl'] would be in no split (found test: "),
@@ -690,11 +692,13 @@ def test_a_data_folder_whose_files_datasets_would_skip(toy, tmp_path):
         "c": ({"eval.jsonl": rows}, "has no split 'train': give another with --dataset_train_split"),
         "d": ({"part1.jsonl": rows[:4], "part2.jsonl": rows[4:]}, None),
         "e": ({"train.jsonl": rows, "test.jsonl": rows[:2], "dataset_infos.json": ["{}"]}, None),  # datasets' metadata
+        "f": ({"mine.jsonl.gz": rows, "eval.jsonl.gz": rows[:2]}, "['mine.jsonl.gz'] would be in no split (found test"),
     }
     for name, (files, expected) in cases.items():
         (tmp_path / name).mkdir()
         for file, lines in files.items():
-            (tmp_path / name / file).write_text("".join(lines))
+            text = "".join(lines).encode()
+            (tmp_path / name / file).write_bytes(gzip.compress(text) if file.endswith(".gz") else text)
         args = script_args("sft.py", toy / "model", tmp_path / name, tmp_path / f"out_{name}", None, "--max_steps", 1)
         error, printed = run_in_process("sft.py", args)
         if expected is None:
