@@ -929,13 +929,17 @@ class HeadLogprobs(torch.autograd.Function):
     ROWS = 1024
 
     @staticmethod
+    def logits(hidden, weight, bias, temperature):  # one chunk's, the same in the forward and the backward
+        return torch.nn.functional.linear(hidden, weight, bias).float() / temperature
+
+    @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature, with_entropy):
         n = len(hidden)
         logprobs, logsumexp = hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32)
         entropy = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)
         for start in range(0, n, HeadLogprobs.ROWS):
             rows = slice(start, start + HeadLogprobs.ROWS)
-            logits = torch.nn.functional.linear(hidden[rows], weight, bias).float() / temperature
+            logits = HeadLogprobs.logits(hidden[rows], weight, bias, temperature)
             logsumexp[rows] = logits.logsumexp(-1)
             logprobs[rows] = logits.gather(-1, labels[rows, None])[:, 0] - logsumexp[rows]
             if with_entropy:  # H = logsumexp - sum(p * logits)
@@ -952,8 +956,8 @@ class HeadLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # summed over the chunks in fp32
         grad_bias = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
         for start in range(0, len(hidden), HeadLogprobs.ROWS):
-            rows, g = slice(start, start + HeadLogprobs.ROWS), grad_logprobs[start:start + HeadLogprobs.ROWS, None]
-            logits = torch.nn.functional.linear(hidden[rows], weight, bias).float() / ctx.temperature
+            rows = slice(start, start + HeadLogprobs.ROWS)
+            logits, g = HeadLogprobs.logits(hidden[rows], weight, bias, ctx.temperature), grad_logprobs[rows, None]
             # d log p(label) / d logits = onehot(label) - softmax(logits), then divided by the temperature
             grad_logits = logits.sub_(logsumexp[rows, None]).exp_().mul_(-g).scatter_add_(-1, labels[rows, None], g)
             grad_logits = grad_logits.div_(ctx.temperature).to(hidden.dtype)

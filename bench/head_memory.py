@@ -18,6 +18,7 @@ rows of this vocabulary; fp32 does not).
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -123,7 +124,7 @@ def main():
             common = ["--per_device_train_batch_size", str(batch), "--max_steps", "4"]
             for revision in args.revisions:
                 run_dir = os.path.join(out, "runs", f"{algo}_{revision}_{batch}")
-                subprocess.run(["rm", "-rf", run_dir])
+                shutil.rmtree(run_dir, ignore_errors=True)
                 command = (
                     [
                         "torchrun",
