@@ -1,12 +1,10 @@
-"""Group Relative Policy Optimization (GRPO) in one file: for each prompt, sample a group of completions, score them
-(a verifier and/or a reward model), take each reward relative to its group as the advantage of every token of the
+"""Group Relative Policy Optimization (GRPO) in one file: sample a group of completions per prompt, score them (a
+verifier and/or a reward model), use each reward relative to its group as the advantage of every token of the
 completion, and optimise PPO's clipped surrogate with a KL penalty to the reference model in the loss. No value model.
-Paper: arXiv:2402.03300 (DeepSeekMath, Sec. 4.1). Variants, a flag or two each: DAPO (--epsilon_high, --loss_type
-token), Dr. GRPO (--scale_rewards none, --loss_type constant), GSPO (--importance_sampling_level sequence), CISPO
-(--policy_loss cispo), RLOO, REINFORCE++ (--advantage_estimator). Unlike the paper: (1) --loss_type token (DAPO's mean
-over a mini-batch's tokens) is the default; the paper's is --loss_type sequence; (2) outcome rewards only; (3) a group
-of equal rewards gets exactly 0 advantage (grpo, rloo); (4) rollouts depend on the seed, rollout and generation chunk,
-not on the number of processes (reproducible on any GPU count, resumed bit for bit). Read `main` first.
+Paper: arXiv:2402.03300 (DeepSeekMath, Sec. 4.1). Variants, a flag or two each (README): DAPO, Dr. GRPO, GSPO, CISPO,
+RLOO, REINFORCE++. Unlike the paper: (1) --loss_type token (DAPO) is the default, the paper's is sequence; (2) outcome
+rewards only; (3) a group of equal rewards gets exactly 0 advantage; (4) rollouts depend on the seed, the rollout and
+the generation chunk, not on the number of processes.
 Run:  torchrun --nproc_per_node 2 grpo.py --model_name_or_path runs/sft --dataset_name toy/prompts --max_steps 30 \
           --output_dir runs/grpo --learning_rate 1e-4 --gradient_accumulation_steps 4 --max_completion_length 10
       torchrun --nproc_per_node 8 grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
@@ -17,8 +15,8 @@ import collections
 import contextlib
 import decimal
 import fcntl
-import functools
 import json
+import logging
 import math
 import os
 import pickle
@@ -37,170 +35,176 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import tyro
+from safetensors import SafetensorError
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from tqdm import tqdm
+from torch.utils.checkpoint import checkpoint
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           GenerationConfig, get_scheduler)
+from tyro.conf import Suppress
 
 from adam_tf import AdamTF
 
 
 @dataclass
 class Args:
-    # common arguments: the same names and meaning in every script
+    # common arguments: the same in every script
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment (wandb run names start with it)"""
+    """the experiment's name (wandb's run name starts with it)"""
     seed: int = 1
-    """seed of the experiment (data order, initialisation, sampling)"""
+    """seed of data order, initialisation and sampling"""
     track: bool = False
-    """log to Weights and Biases (`WANDB_MODE=offline` works)"""
+    """log to Weights and Biases"""
     wandb_project_name: str = "rlhf-scripts"
-    """the wandb project name"""
+    """the wandb project"""
     wandb_entity: Optional[str] = None
     """the wandb entity (team)"""
     output_dir: str = "runs/grpo"
-    """where the final Hugging Face model folder, checkpoints and metrics.jsonl are written"""
+    """the Hugging Face model folder, with checkpoints/ and metrics.jsonl"""
     overwrite_output_dir: bool = False
-    """replace a previous run in output_dir (removing its metrics, checkpoints, model), which is refused otherwise"""
+    """replace a previous run in output_dir"""
     model_name_or_path: str = "runs/sft"
-    """a hub id or a local Hugging Face model folder: the SFT model the policy starts from (and the reference)"""
+    """a hub id or a local model folder: the SFT policy (and reference)"""
     dataset_name: str = "toy/prompts"
-    """a hub id, a local .json/.jsonl/.parquet/.csv file (the train split) or a local folder of such files"""
+    """a hub id, a local .json/.jsonl/.parquet/.csv file (train split), or a folder of them"""
     dataset_train_split: str = "train"
-    """the split to train on"""
+    """the split to train on, or a data file (a path, or a file of the folder by its name)"""
     dataset_test_split: str = "test"
-    """the split to evaluate on (skipped, with a message, if the dataset has none)"""
+    """the split to evaluate on, likewise"""
     max_steps: int = -1
-    """number of optimizer steps; -1: run `num_train_epochs` epochs"""
+    """optimizer steps; -1: num_train_epochs epochs"""
     num_train_epochs: int = 1
-    """passes over the training prompts (used when max_steps is -1)"""
+    """passes over the training prompts (when max_steps is -1)"""
     learning_rate: float = 1e-6
     """peak learning rate"""
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
-    """learning rate schedule after warmup (transformers.get_scheduler), stepped once per optimizer step"""
+    """the schedule after warmup (transformers.get_scheduler)"""
     warmup_ratio: float = 0.0
-    """fraction of the optimizer steps spent warming up linearly from 0"""
+    """fraction of the steps warming up linearly from 0"""
     per_device_train_batch_size: int = 8
-    """micro-batch size: completions per process per forward/backward (HF name; `local_micro_batch_size`)"""
+    """micro-batch: completions per process per forward/backward"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step on each process"""
     per_device_eval_batch_size: int = 32
-    """test prompts per process per greedy generation in evaluation"""
+    """test prompts per process per greedy generation"""
     max_grad_norm: float = 1.0
-    """clip the global gradient norm to this value (0: no clipping, the norm is still logged)"""
+    """clip the global gradient norm (0: off)"""
     optimizer: Literal["adamw", "adam_tf"] = "adamw"
-    """adamw: torch.optim.AdamW; adam_tf: TensorFlow-style Adam (epsilon hat), see adam_tf.py"""
+    """adam_tf: TensorFlow-style Adam (adam_tf.py)"""
     adam_epsilon: float = 1e-8
-    """Adam's epsilon (lm-human-preferences used 1e-5 with adam_tf)"""
+    """Adam's epsilon"""
     weight_decay: float = 0.0
     """decoupled weight decay (adamw only)"""
     bf16: bool = True
-    """bf16 mixed precision (parameters kept in fp32) on GPU; CPU runs always compute in fp32"""
+    """bf16 compute on GPU, fp32 parameters"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
+    """recompute activations in the backward to save memory"""
     cpu_offload: bool = False
-    """keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy)"""
+    """parameters, gradients and optimizer state in CPU memory (FSDP2's CPUOffloadPolicy)"""
     reshard_after_forward: bool = True
-    """free each decoder layer's gathered parameters after its forward (least memory). False: faster, one full copy of
-    each model per process: kept until the backward (one all-gather per micro-batch instead of two; in grpo/ppo from
-    generation on); a frozen model (reference, reward) stays gathered after its first forward"""
+    """free gathered parameters after each layer's forward (False: faster, more memory)"""
     log_every: int = 10
-    """print and log metrics every this many optimizer steps"""
+    """log every this many optimizer steps"""
     eval_every: int = -1
-    """evaluate every this many optimizer steps (-1: only at the end)"""
+    """evaluate every this many steps (-1: at the end)"""
     save_every: int = -1
-    """write a resumable checkpoint every this many optimizer steps (-1: never)"""
+    """checkpoint every this many steps (-1: never)"""
     resume_from: Optional[str] = None
-    """a checkpoint folder (output_dir/checkpoints/step_N) to continue the same run from; auto: the latest complete one
-    in output_dir, if any (the same command then starts a run and continues it after a preemption)"""
+    """a checkpoint (output_dir/checkpoints/step_N) to continue; auto: the latest, if any"""
     keep_last: int = -1
     """keep only the newest N checkpoints (-1: all)"""
     skip_nonfinite: int = 0
-    """skip up to N optimizer steps whose loss or gradient norm is NaN/inf (0: the first one stops the run)"""
+    """skip up to N steps with a NaN or inf loss or gradient norm (0: the first stops the run)"""
     trust_remote_code: bool = False
-    """allow models and tokenizers whose code comes from the hub (runs that code: only for repositories you trust)"""
-    max_prompt_length: int = 512
-    """prompts longer than this (in tokens) are dropped, and counted in a message at start"""
-    max_completion_length: int = 256
-    """new tokens per completion; a completion with no EOS by then is truncated (see missing_eos_penalty)"""
+    """run model and tokenizer code from the hub"""
 
-    # batch sizes, computed at start (not flags): a rollout has num_prompts_per_rollout prompts x num_generations
-    # completions = rollout_batch_size; num_iterations passes over it, each num_mini_batches optimizer steps of
-    # batch_size = world_size x local_batch_size (per_device_train_batch_size x gradient_accumulation_steps)
-    # completions; num_training_steps = rollouts x num_iterations x num_mini_batches, fixed before training
+    # computed at start, not flags
+    world_size: Suppress[Optional[int]] = None
+    """(computed) processes"""
+    local_batch_size: Suppress[Optional[int]] = None
+    """(computed) per_device_train_batch_size x gradient_accumulation_steps"""
+    batch_size: Suppress[Optional[int]] = None
+    """(computed) world_size x local_batch_size: an optimizer step's global batch"""
+    num_training_steps: Suppress[Optional[int]] = None
+    """(computed) the run's optimizer steps"""
+    rollout_batch_size: Suppress[Optional[int]] = None
+    """(computed) batch_size x num_mini_batches: the completions of a rollout"""
+    num_prompts_per_rollout: Suppress[Optional[int]] = None
+    """(computed) rollout_batch_size / num_generations"""
 
     # RL: rollouts and rewards
+    max_prompt_length: int = 512
+    """longer prompts (in tokens) are dropped, and counted"""
+    max_completion_length: int = 256
+    """new tokens per completion (one without EOS by then is truncated)"""
     num_generations: int = 8
-    """completions sampled per prompt: the group whose rewards are compared (G in the paper)"""
+    """completions per prompt: the group whose rewards are compared (G in the paper)"""
     num_mini_batches: int = 1
     """optimizer steps per pass over a rollout"""
     num_iterations: int = 1
-    """passes over each rollout (mu in the paper); with 1 the old policy is the current one and costs no forward pass"""
+    """passes over each rollout (mu in the paper); with 1 the old policy is the current one"""
     local_rollout_forward_batch_size: int = 64
-    """completions per process per generation call and per forward pass without gradients in a rollout"""
+    """completions per process per generation call and per forward pass without gradients"""
     temperature: float = 1.0
-    """sampling temperature; log-probs are computed from logits / temperature, the distribution sampled from"""
+    """sampling temperature (the log-probs are those of logits / temperature)"""
     cache_implementation: Literal["dynamic", "static"] = "dynamic"
-    """generation's KV cache. static: allocated once, and on a GPU HF compiles the decoding step (torch.compile: about
-    30 s per new batch shape; 3.3x the samples/s of dynamic at Qwen2.5-0.5B's shape on an H100, bench/RESULTS.md)"""
+    """generation's KV cache (static: compiled on a GPU, faster after the first rollout)"""
     reward_fn: Optional[Literal["exact_match", "last_number", "gsm8k"]] = "exact_match"
-    """verifier against the answer column: exact_match (stripped texts equal), last_number (the completion's last number
-    equals the answer's), gsm8k (the number after '#### ' equals the answer's final number); None: no verifier"""
+    """the verifier against the answer column (verifier_reward); None: none"""
+    prompt_column: str = "prompt"
+    """the dataset column of the prompts (GSM8K: question)"""
     answer_column: str = "answer"
-    """the dataset column the verifier compares with (GSM8K: the whole solution, or its final number)"""
+    """the dataset column of the answers (GSM8K: the solution, or its final number)"""
     reward_model_path: Optional[str] = None
-    """a reward model folder written by reward.py (same tokenizer as the policy); its score is added to the reward"""
+    """a reward model folder written by reward.py (the policy's tokenizer)"""
     reward_fn_weight: float = 1.0
-    """the reward is reward_fn_weight x verifier + reward_model_weight x reward model score"""
+    """reward = reward_fn_weight x verifier + reward_model_weight x reward model score"""
     reward_model_weight: float = 1.0
     """see reward_fn_weight"""
     missing_eos_penalty: float = 0.0
-    """subtracted from the reward of a completion that did not end with EOS within max_completion_length"""
+    """subtracted from the reward of a completion without EOS"""
     mask_truncated_completions: bool = False
-    """leave completions without EOS out of the loss (DAPO's overlong filtering); they still count in their group"""
+    """leave completions without EOS out of the loss (DAPO's overlong filtering)"""
 
-    # GRPO and its variants (the README's table: which flags give which method)
+    # GRPO and its variants (the README's table says which flags give which method)
     advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
-    """grpo: r - group mean, scaled per scale_rewards; rloo: r - the mean of the other G - 1 of its group
-    (arXiv:2402.14740); reinforce_plus_plus: r whitened over the rollout's tokens (REINFORCE++, arXiv:2501.03262);
-    _baseline: r - group mean, then whitened (verl's names and formulas)"""
+    """how rewards become advantages (group_advantages)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    """grpo only: advantage = (reward - group mean) / std, std over the group, over the whole rollout (batch) or none
-    (Dr. GRPO)"""
+    """grpo: divide r - group mean by the std of the group, of the rollout (batch), or not (none: Dr. GRPO)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
-    """token: a ratio pi / pi_old per token; sequence: GSPO's (arXiv:2507.18071) exp(mean of log pi - log pi_old over
-    the completion's tokens), one clipped ratio per completion (GSPO pairs it with --loss_type sequence)"""
+    """token: a ratio pi / pi_old per token; sequence: one per completion (GSPO, arXiv:2507.18071)"""
     policy_loss: Literal["clip", "cispo"] = "clip"
-    """clip: PPO's clipped surrogate; cispo: -sg(min(ratio, 1 + epsilon_high)) A log pi (CISPO, arXiv:2506.13585):
-    the weight is clipped, no token leaves the gradient (TRL's cispo with epsilon_high E is ours with E - 1)"""
+    """clip: PPO's clipped surrogate; cispo: the clipped weight times A log pi (CISPO, arXiv:2506.13585)"""
     epsilon: float = 0.2
-    """clip range: the ratio pi / pi_old is clipped to [1 - epsilon, 1 + epsilon_high]"""
+    """the ratio pi / pi_old is clipped to [1 - epsilon, 1 + epsilon_high]"""
     epsilon_high: Optional[float] = None
-    """upper clip range (DAPO's clip-higher, e.g. 0.28; default: epsilon)"""
+    """default: epsilon (DAPO's clip-higher: 0.28)"""
     beta: float = 0.04
-    """weight of the KL penalty to the reference model in the loss (0: no reference model is loaded)"""
+    """weight of the KL penalty in the loss (0: no reference model)"""
     kl_estimator: Literal["k1", "k2", "k3", "k1_ratio"] = "k3"
-    """the per-token KL estimate in the loss (see kl_estimate); objective/kl is always logged with k3"""
+    """the KL estimate in the loss (kl_estimate); objective/kl is logged with k3"""
     loss_type: Literal["token", "sequence", "constant"] = "token"
-    """the summed per-token loss divided by: token: the mini-batch's completion tokens (DAPO); sequence: each
-    completion's length, then the completions (the paper); constant: completions x max_completion_length (Dr. GRPO)"""
-NUMBER = r"(?<![\d.,/])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d,.]?\d|/\d)"  # -1,234.5, 1234; no 1,2345, 3/4
+    """what the summed loss is divided by (loss_normaliser)"""
+
+
+# a number: -1,234.5 or 1234, not a part of 1,2345, 3/4, 2^4 or 1e3
+NUMBER = r"(?<![\d.,/^eE])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d,.]?\d|/\d|\^|[eE][-+]?\d)"
 
 
 def parse_answer(text, reward_fn):
-    """The final answer of a text as a Decimal (18 = 18.0 = 18.00), or None: for gsm8k the number after '#### '
-    (GSM8K's answer line, thousands separators allowed), otherwise the last number in the text."""
-    found = re.findall(rf"####\s*\$?\s*({NUMBER})" if reward_fn == "gsm8k" else NUMBER, text)
+    """The final answer of a text as a Decimal (18 = 18.0), or None: for gsm8k the number after '#### ' (GSM8K's answer
+    line; thousands separators, a $ and markdown bold allowed), otherwise the last number in the text."""
+    found = re.findall(rf"####[\s*$]*({NUMBER})" if reward_fn == "gsm8k" else NUMBER, text)
     return decimal.Decimal(found[0 if reward_fn == "gsm8k" else -1].replace(",", "")) if found else None
 
 
 def verifier_reward(completion, answer, reward_fn):
-    """1.0 if the completion's answer is the right one, else 0.0. The answer column may hold the final answer or a
-    whole GSM8K solution ending with '#### N'."""
+    """1.0 if the completion's answer is right, else 0.0. exact_match: the stripped texts are equal; last_number: the
+    completion's last number is the answer's; gsm8k: the number after '####' is. The answer may be a GSM8K solution."""
     if reward_fn == "exact_match":
         return float(completion.strip() == answer.strip())
     got = parse_answer(completion, reward_fn)
@@ -209,17 +213,18 @@ def verifier_reward(completion, answer, reward_fn):
 
 def group_advantages(rewards, num_tokens, num_generations, args):
     """One advantage per completion, for each of its tokens (outcome supervision, Sec. 4.1.2 of arXiv:2402.03300).
-    grpo: (r - group mean) / (group std + 1e-4), the rollout's std (batch) or no division (none: Dr. GRPO; the std
-    up-weights prompts almost always or never solved); sample std (Bessel). rloo: r - mean of the other G - 1 =
-    G / (G - 1) (r - group mean). Both give a group of equal rewards exactly 0. reinforce_plus_plus(_baseline): r (minus
-    the group mean) whitened, each completion weighted by its `num_tokens` in the loss (verl's masked_whiten). Groups
-    are consecutive rows. Returns the advantages and a flag per group: all rewards equal."""
+    grpo: (r - group mean) / (std + 1e-4), the sample std of the group, of the rollout (batch) or none (Dr. GRPO: the
+    std up-weights prompts almost always or never solved). rloo: r - the mean of the other G - 1 (arXiv:2402.14740),
+    G / (G - 1) (r - group mean). Both give a group of equal rewards exactly 0. reinforce_plus_plus: r whitened over the
+    rollout's tokens (arXiv:2501.03262); _baseline: r - group mean, then whitened (verl's masked_whiten: each completion
+    weighted by its `num_tokens`). Groups are consecutive rows. Returns the advantages and, per group, whether all its
+    rewards are equal."""
     groups = rewards.view(-1, num_generations)
     zero_std = groups.max(1).values == groups.min(1).values
     advantages = groups - groups.mean(1, keepdim=True)
     if args.advantage_estimator.startswith("reinforce_plus_plus"):
         x = (rewards if args.advantage_estimator == "reinforce_plus_plus" else advantages.flatten()).double()
-        w = num_tokens.double()  # verl's masked_whiten: mean and unbiased variance over the tokens
+        w = num_tokens.double()  # mean and unbiased variance over the tokens
         mean = (w * x).sum() / w.sum().clamp(min=1)
         variance = (w * (x - mean) ** 2).sum() / (w.sum() - 1).clamp(min=1)
         return ((x - mean) * torch.rsqrt(variance + 1e-8)).to(rewards.dtype), zero_std
@@ -248,9 +253,9 @@ def kl_estimate(logps, ref_logps, old_logps, kl_estimator):
 
 
 def loss_normaliser(completion_mask, args):
-    """What the summed loss of a global mini-batch is divided by, counted over all of it (every process and accumulation
-    step) so that the split does not change the update. token: its completion tokens (Eq. 12 of arXiv:2503.14476);
-    sequence: its completions with a token in the loss; constant: completions x max_completion_length."""
+    """What the summed loss of a global mini-batch is divided by, counted over all of it (every process and
+    accumulation step) so that the split does not change the update. token: its completion tokens (Eq. 12 of
+    arXiv:2503.14476); sequence: its completions with a token in the loss; constant: completions x max length."""
     if args.loss_type == "token":
         return completion_mask.sum().clamp(min=1)
     if args.loss_type == "sequence":
@@ -277,50 +282,50 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, args):
     return (per_token * mask).sum() / normaliser, ratio, policy_loss
 
 
-def rewards_of(prompts, completions, answers, reward_model, tokenizer, pad_token_id, args, device):
-    """reward_fn_weight x verifier + reward_model_weight x reward model score, minus missing_eos_penalty for a
-    completion without EOS. With a reward model this is a collective: every rank calls it as often."""
-    rewards = torch.zeros(len(completions), device=device)
-    if args.reward_fn:
-        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-        verified = [verifier_reward(t, a, args.reward_fn) for t, a in zip(texts, answers)]
-        rewards += args.reward_fn_weight * torch.tensor(verified, device=device)
+def rewards_of(prompts, completions, answers, reward_model, tokenizer, pad_token_id, args):
+    """reward_fn_weight x verifier + reward_model_weight x reward model score - missing_eos_penalty x (no EOS). With
+    a reward model, a collective: every rank calls it as often."""
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    rewards = [args.reward_fn_weight * verifier_reward(t, a, args.reward_fn) if args.reward_fn else 0.0
+               for t, a in zip(texts, answers)]
+    rewards = torch.tensor(rewards) - args.missing_eos_penalty * torch.tensor([c[-1] != tokenizer.eos_token_id
+                                                                               for c in completions]).float()
     if reward_model is not None:
-        input_ids, attention_mask, _ = [t.to(device) for t in make_batch(prompts, completions, pad_token_id)]
-        rewards += args.reward_model_weight * sequence_scores(reward_model, input_ids, attention_mask)
-    ended = torch.tensor([c[-1] == tokenizer.eos_token_id for c in completions], device=device)
-    return rewards - args.missing_eos_penalty * (~ended).float()
+        ids, mask, _ = make_batch(prompts, completions, pad_token_id)
+        device = next(reward_model.parameters()).device
+        rewards = rewards.to(device) + args.reward_model_weight * sequence_scores(reward_model, ids.to(device),
+                                                                                  mask.to(device))
+    return rewards
 
 
 @torch.no_grad()
-def evaluate(model, reward_model, test, tokenizer, pad_token_id, args, rank):
-    """Mean reward of greedy completions of the test prompts, each rank its share (exact-match verifier: accuracy)."""
-    device = next(model.parameters()).device
-    total = torch.zeros((), device=device)
+def evaluate(model, reward_model, test, tokenizer, pad_token_id, args):
+    """Mean reward of greedy completions of the test prompts, each rank its share (exact match: the accuracy)."""
+    total = torch.zeros((), device=next(model.parameters()).device)
     with unsharded(model, keep=not args.reshard_after_forward):
-        for rows, valid in rank_micro_batches(len(test["prompt"]), rank, args.world_size,
+        for rows, valid in rank_micro_batches(len(test["prompt"]), dist.get_rank(), args.world_size,
                                               args.per_device_eval_batch_size):
             prompts, answers = [test["prompt"][i] for i in rows], [test["answer"][i] for i in rows]
             completions = generate_completions(model, prompts, args.max_completion_length, None,
                                                tokenizer.eos_token_id, pad_token_id, args.cache_implementation)
-            rewards = rewards_of(prompts, completions, answers, reward_model, tokenizer, pad_token_id, args, device)
-            total += valid * rewards.sum()
+            total += valid * rewards_of(prompts, completions, answers, reward_model, tokenizer, pad_token_id,
+                                        args).sum().to(total.device)
     dist.all_reduce(total)
     return {"eval/scores": total.item() / len(test["prompt"])}
 
 
 @torch.no_grad()
-def score_rollout(model, ref_model, reward_model, rollout, tokenizer, pad_token_id, args, rank):
-    """Rewards, reference and old log-probs (old: num_iterations > 1 only; else the current policy's, detached) of a
-    rollout's completions: each rank its share in micro-batches of local_rollout_forward_batch_size, summed."""
+def score_rollout(model, ref_model, reward_model, rollout, tokenizer, pad_token_id, args):
+    """Rewards, and the reference and old log-probs of a rollout's completions (old: with num_iterations > 1; else
+    the loss uses the current ones, detached): each rank its share, summed over ranks."""
     prompts, completions, device = rollout["prompts"], rollout["completions"], next(model.parameters()).device
     n, width = len(prompts), args.max_completion_length
     rewards = torch.zeros(n, device=device)
     ref_logps = torch.zeros(n, width, device=device) if ref_model is not None else None
     old_logps = torch.zeros(n, width, device=device) if args.num_iterations > 1 else None
-    for rows, valid in rank_micro_batches(n, rank, args.world_size, args.local_rollout_forward_batch_size):
+    for rows, valid in rank_micro_batches(n, dist.get_rank(), args.world_size, args.local_rollout_forward_batch_size):
         batch = [[column[i] for i in rows] for column in (prompts, completions, rollout["answers"])]
-        rewards[rows] += valid * rewards_of(*batch, reward_model, tokenizer, pad_token_id, args, device)
+        rewards[rows] += valid * rewards_of(*batch, reward_model, tokenizer, pad_token_id, args).to(device)
         input_ids, attention_mask, completion_mask = batch_on(device, prompts, completions, rows, pad_token_id)
         cols = completion_mask.shape[1]
         for table, net in ((ref_logps, ref_model), (old_logps, model)):
@@ -333,60 +338,82 @@ def score_rollout(model, ref_model, reward_model, rollout, tokenizer, pad_token_
     return rewards, ref_logps, old_logps
 
 
-def accumulate_gradients(model, rollout, mini, normaliser, args, rank, sums, pad_token_id):
-    """One optimizer step's gradients: this rank's micro-batches of the global mini-batch `mini`, each loss over the
-    whole mini-batch's normaliser (split-invariant); statistics summed into `sums`. Returns this rank's loss part."""
-    device = next(model.parameters()).device
-    step_loss = torch.zeros((), device=device)
-    for micro in micro_batches(mini, args, rank):
+def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token_id):
+    """One optimizer step's gradients from this rank's micro-batches of the global mini-batch `mini` (each loss over
+    the whole mini-batch's normaliser), statistics summed into `sums`. Returns this rank's part of the loss."""
+    device, step_loss = next(model.parameters()).device, 0.0
+    for micro in micro_batches(mini, args):
         input_ids, attention_mask, completion_mask = batch_on(device, rollout["prompts"], rollout["completions"], micro,
                                                               pad_token_id)
         width = completion_mask.shape[1]
         mask = rollout["loss_mask"][micro, :width]
-        logps, entropy = completion_logprobs(model, input_ids, attention_mask, width, args.temperature,
-                                             with_entropy=True)
+        logps, entropy = completion_logprobs(model, input_ids, attention_mask, width, args.temperature, True)
         old = rollout["old_logps"][micro, :width] if rollout["old_logps"] is not None else logps.detach()
         ref = rollout["ref_logps"][micro, :width] if rollout["ref_logps"] is not None else None
-        advantages = rollout["advantages"][micro]
-        loss, ratio, policy_loss = grpo_loss(logps, old, ref, advantages, mask, normaliser, args)
+        A = rollout["advantages"][micro, None]
+        loss, ratio, policy_loss = grpo_loss(logps, old, ref, A[:, 0], mask, normaliser, args)
         loss.backward()
         step_loss += loss.detach()
-        with torch.no_grad():
-            A = advantages[:, None]
-            kl = kl_estimate(logps, ref, old, "k3") if ref is not None else torch.zeros_like(logps)
-            token_stats = {"policy_loss": policy_loss, "approxkl": 0.5 * (logps - old) ** 2, "entropy": entropy,
-                           "clip_low": (ratio < 1 - args.epsilon) & (A < 0) & (args.policy_loss == "clip"), "kl": kl,
-                           "clip_high": (ratio > 1 + args.epsilon_high) & (A > 0), "ratio": ratio, "ratio_sq": ratio**2}
+        with torch.no_grad():  # sums over the tokens in the loss, under their metric names (window_metrics)
+            kl = kl_estimate(logps, ref, old, "k3") if ref is not None else 0 * logps  # k3 whatever the loss uses
+            token_stats = {"loss/policy_avg": policy_loss, "policy/approxkl_avg": 0.5 * (logps - old) ** 2,
+                           "objective/entropy": entropy, "val/ratio": ratio, "ratio_squared": ratio**2,
+                           "clip_ratio/low": (ratio < 1 - args.epsilon) & (A < 0) & (args.policy_loss == "clip"),
+                           "clip_ratio/high": (ratio > 1 + args.epsilon_high) & (A > 0), "objective/kl": kl}
             for name, values in token_stats.items():
                 sums[name] += (values * mask).sum()
             sums["loss"] += loss.detach()
             sums["tokens"] += mask.sum()
-            sums["sequences"] += len(micro)
             sums["processed"] += attention_mask.sum()
     return step_loss
+
+
+def window_metrics(w, steps, seconds, args):
+    """The metrics of the optimizer steps since the last log line, from their sums over ranks: the token statistics
+    (accumulate_gradients) per token in the loss, the KL per completion, the rest (loss, rollouts') per step."""
+    tokens, per_token = max(w.pop("tokens"), 1.0), ("loss/", "policy/", "objective/entropy", "val/", "ratio_", "clip")
+    metrics = {"tokens_per_second": w.pop("processed") / seconds, "objective/kl": w.pop("objective/kl") / steps /
+               args.batch_size}
+    metrics |= {name: value / (tokens if name.startswith(per_token) else steps) for name, value in w.items()}
+    metrics["policy/clipfrac_avg"] = metrics["clip_ratio/low"] + metrics["clip_ratio/high"]
+    metrics["val/ratio_var"] = metrics.pop("ratio_squared") - metrics["val/ratio"] ** 2
+    if args.beta > 0:
+        metrics["objective/non_score_reward"] = -args.beta * metrics["objective/kl"]
+        metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
+    return metrics
+
+
+def rollout_metrics(rollout, rewards, lengths, ended, zero_std, tokenizer):
+    """The rollout's statistics under their metric names, and two completions of each of its first two groups."""
+    G = len(rewards) // len(zero_std)
+    stats = {"objective/scores": rewards.mean(), "completions/mean_length": lengths.float().mean(),
+             "val/num_eos_tokens": ended.sum(), "completions/clipped_ratio": 1 - ended.float().mean(),
+             "frac_reward_zero_std": zero_std.float().mean()}
+    samples = [["prompt", "completion", "reward", "advantage"]]
+    samples += [[tokenizer.decode(rollout["prompts"][i]), tokenizer.decode(rollout["completions"][i]),
+                 rewards[i].item(), rollout["advantages"][i].item()] for i in (0, 1, G, G + 1) if i < len(rewards)]
+    return stats, samples
 
 
 def main(args):
     # 1. distributed init, computed batch sizes, argument checks
     rank, world_size, device = setup(args)
-    args.rollout_batch_size = args.batch_size * args.num_mini_batches
-    args.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     G = args.num_generations
-    if G < 2 or args.rollout_batch_size % G:
-        raise ValueError(f"a rollout of batch_size x num_mini_batches = {args.rollout_batch_size} completions must "
-                         f"hold whole groups of num_generations >= 2 completions (got {G})")
+    args.rollout_batch_size = args.batch_size * args.num_mini_batches
     args.num_prompts_per_rollout = args.rollout_batch_size // G
+    args.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    if G < 2 or args.rollout_batch_size % G:
+        raise ScriptError(f"--num_generations {G}: must be at least 2 and divide the {args.rollout_batch_size} "
+                          "completions of a rollout (batch_size x num_mini_batches), which holds whole groups")
     if args.reward_fn is None and args.reward_model_path is None:
-        raise ValueError("no reward: set --reward_fn, --reward_model_path, or both")
+        raise ScriptError("no reward: set --reward_fn, --reward_model_path, or both")
     if args.scale_rewards != "group" and args.advantage_estimator != "grpo":
-        raise ValueError(f"--scale_rewards applies to --advantage_estimator grpo only (got {args.advantage_estimator})")
+        raise ScriptError(f"--scale_rewards applies to --advantage_estimator grpo only, not {args.advantage_estimator}")
 
     # 2. data: every rank tokenises the same prompts, so each knows the whole rollout
     tokenizer, pad_token_id = load_tokenizer(args)
-    tokenize = functools.partial(tokenize_prompts, answer_column=args.answer_column if args.reward_fn else None)
-    train, test, dropped = load_data(args, tokenizer, tokenize, rank)
-    num_prompts = len(train["prompt"])
-    num_rollouts, steps_per_rollout = rollouts_of(num_prompts, G, "num_iterations", args, dropped, rank)
+    train, test, dropped = load_data(args, tokenizer, tokenize_prompts)
+    num_rollouts, steps_per_rollout = rollouts_of(len(train["prompt"]), G, args.num_iterations, args, dropped)
 
     # 3. models + FSDP2: the policy, then the frozen reference (the same SFT model) and reward model
     model = load_trained(AutoModelForCausalLM, args.model_name_or_path, args, "--model_name_or_path", device)
@@ -396,137 +423,82 @@ def main(args):
     if args.reward_model_path:
         reward_model = load_reward_model(args, tokenizer, device)
 
-    # 4. optimizer and LR schedule, its total fixed now (or both restored by --resume_from)
+    # 4. optimizer and LR schedule (or both restored by --resume_from)
     optimizer, scheduler, start_step, state = make_optimizer(model, args)
-    metrics_path = open_metrics(args, start_step, rank)
+    metrics_path, progress = open_metrics(args, start_step)
 
     # 5. training loop: a rollout, then num_iterations x num_mini_batches optimizer steps on it
-    model.train()
-    progress = tqdm(total=args.num_training_steps, initial=start_step, disable=rank != 0, desc="grpo")
-    stop = False  # a SIGTERM/SIGINT seen at an optimizer step (a resumed run may have no step left)
-    sums, window_steps, window_start = collections.defaultdict(lambda: torch.zeros((), device=device)), 0, time.time()
+    sums = collections.defaultdict(lambda: torch.zeros((), device=device))  # this rank's, since the last log line
+    logged, window_start = start_step, time.time()
     for rollout_index in range(start_step // steps_per_rollout, num_rollouts):
         rollout_start = time.time()
         # ALGO LOGIC: 1. the rollout's prompts, each num_generations times: a group is G consecutive rows
-        rows = [row for row in global_batch(rollout_index, num_prompts, args.num_prompts_per_rollout, args.seed)
-                for _ in range(G)]
+        rows = [row for row in global_batch(rollout_index, len(train["prompt"]), args.num_prompts_per_rollout,
+                                            args.seed) for _ in range(G)]
         rollout = {"prompts": [train["prompt"][row] for row in rows], "answers": [train["answer"][row] for row in rows]}
 
-        # 2. sample the completions (seeded by rollout and chunk, the parameters gathered once: sample_rollout)
-        rollout["completions"], lengths = sample_rollout(model, rollout["prompts"], args, rollout_index, rank,
-                                                         tokenizer.eos_token_id, pad_token_id, device)
-        ended = torch.tensor([c[-1] == tokenizer.eos_token_id for c in rollout["completions"]], device=device)
+        # 2. sample the completions (seeded by the rollout and the chunk, the parameters gathered once)
+        rollout["completions"], lengths = sample_rollout(model, rollout["prompts"], rollout_index, args,
+                                                         tokenizer.eos_token_id, pad_token_id)
 
         # 3. rewards, and the reference and old log-probs of the sampled tokens
         rewards, rollout["ref_logps"], rollout["old_logps"] = score_rollout(model, ref_model, reward_model, rollout,
-                                                                            tokenizer, pad_token_id, args, rank)
+                                                                            tokenizer, pad_token_id, args)
 
         # 4. the tokens in the loss, and the advantages
+        ended = torch.tensor([c[-1] == tokenizer.eos_token_id for c in rollout["completions"]], device=device)
         rollout["loss_mask"] = (torch.arange(args.max_completion_length, device=device) < lengths[:, None]).float()
         if args.mask_truncated_completions:
             rollout["loss_mask"] *= ended[:, None]
         rollout["advantages"], zero_std = group_advantages(rewards, rollout["loss_mask"].sum(1), G, args)
-        rollout_stats = {"objective/scores": rewards.mean(), "completions/mean_length": lengths.float().mean(),
-                         "val/num_eos_tokens": ended.sum(), "completions/clipped_ratio": 1 - ended.float().mean(),
-                         "frac_reward_zero_std": zero_std.float().mean()}
-        rollout_stats = {k: v.item() for k, v in rollout_stats.items()} | {"time/rollout": time.time() - rollout_start}
-        samples = [["prompt", "completion", "reward", "advantage"]]  # two completions of each of the first two groups
-        samples += [[tokenizer.decode(rollout["prompts"][i]), tokenizer.decode(rollout["completions"][i]),
-                     rewards[i].item(), rollout["advantages"][i].item()] for i in (0, 1, G, G + 1) if i < len(rows)]
+        stats, samples = rollout_metrics(rollout, rewards, lengths, ended, zero_std, tokenizer)
+        stats["time/rollout"] = time.time() - rollout_start
 
         # 5. num_iterations passes over the rollout, each in num_mini_batches optimizer steps
         for k, mini in enumerate(rollout_mini_batches(rollout_index, args.num_iterations, args)):
             update_start = time.time()
             normaliser = loss_normaliser(rollout["loss_mask"][mini], args)  # a count over the global mini-batch
-            step_loss = accumulate_gradients(model, rollout, mini, normaliser, args, rank, sums, pad_token_id)
-            done = rollout_index * steps_per_rollout + k + 1
-            lr, grad_norm, stop = optimizer_step(model, optimizer, scheduler, step_loss, done, args, state["skipped"])
+            step_loss = accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token_id)
+            step = rollout_index * steps_per_rollout + k + 1
+            lr, grad_norm, stop = optimizer_step(model, optimizer, scheduler, step_loss, step, args, state)
             progress.update(1)
-            sums["seconds"] += time.time() - update_start  # this rank's seconds in updates
-            window_steps += 1
+            stats["time/update"] = time.time() - update_start
+            for name, value in stats.items():  # the same on every rank: each adds its share of the sum over ranks
+                sums[name] += value / world_size
 
-            if is_due(done, args.log_every, args) or is_due(done, args.eval_every, args):
-                w = reduce_sums(sums)
-                tokens = max(w["tokens"], 1.0)
-                metrics = {"step": done, "episode": (rollout_index + 1) * args.rollout_batch_size, "lr": lr,
-                           "loss": w["loss"] / window_steps, "grad_norm": grad_norm.item(),
-                           "tokens_per_second": w["processed"] / (time.time() - window_start), **rollout_stats,
-                           "time/update": w["seconds"] / world_size / window_steps,
-                           "objective/entropy": w["entropy"] / tokens, "policy/approxkl_avg": w["approxkl"] / tokens,
-                           "policy/clipfrac_avg": (w["clip_low"] + w["clip_high"]) / tokens,
-                           "clip_ratio/low": w["clip_low"] / tokens, "clip_ratio/high": w["clip_high"] / tokens,
-                           "loss/policy_avg": w["policy_loss"] / tokens, "val/ratio": w["ratio"] / tokens,
-                           "val/ratio_var": w["ratio_sq"] / tokens - (w["ratio"] / tokens) ** 2}
-                if ref_model is not None:  # k3 whatever the estimator in the loss, so runs compare on one chart
-                    kl = w["kl"] / w["sequences"]
-                    metrics.update({"objective/kl": kl, "objective/non_score_reward": -args.beta * kl,
-                                    "objective/rlhf_reward": rollout_stats["objective/scores"] - args.beta * kl})
-                if is_due(done, args.eval_every, args) and test and test["prompt"]:
-                    metrics.update(evaluate(model, reward_model, test, tokenizer, pad_token_id, args, rank))
-                log_metrics(metrics, metrics_path, args, progress, rank, samples)
-                sums, window_steps, window_start = collections.defaultdict(sums.default_factory), 0, time.time()
-            if (args.save_every > 0 and done % args.save_every == 0) or (stop and done % steps_per_rollout == 0):
-                checkpoint = save_checkpoint(model, optimizer, scheduler, done, args, state)
-        if stop:  # the signal was seen during this rollout; its checkpoint is written
-            break
-    progress.close()
-    if stop:
-        leave_after_signal(checkpoint, rank)
+            if is_due(step, args.log_every, args) or is_due(step, args.eval_every, args):
+                metrics = {"step": step, "episode": (rollout_index + 1) * args.rollout_batch_size, "lr": lr,
+                           "grad_norm": grad_norm.item()}
+                metrics |= window_metrics(reduce_sums(sums), step - logged, time.time() - window_start, args)
+                if is_due(step, args.eval_every, args) and test:
+                    metrics.update(evaluate(model, reward_model, test, tokenizer, pad_token_id, args))
+                log_metrics(metrics, metrics_path, args, progress, samples)
+                sums, logged, window_start = collections.defaultdict(sums.default_factory), step, time.time()
+            if (args.save_every > 0 and step % args.save_every == 0) or (stop and step % steps_per_rollout == 0):
+                folder = save_checkpoint(model, optimizer, scheduler, step, args, state)
+                if stop:  # a SIGTERM or SIGINT during this rollout: its checkpoint is written
+                    leave_after_signal(folder)
 
-    # 6. save the Hugging Face folder; report the peak memory
-    finish(model, tokenizer, args, device, rank)
+    # 6. save the Hugging Face folder
+    finish(model, tokenizer, args, device)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Infrastructure: identical in every script that has it (tests/test_consistency.py). Skip it on a first read.
-# ---------------------------------------------------------------------------------------------------------------------
-# numeric arguments that cannot be meant outside these ranges: (flags, what they must be, the check); a script
-# without the flag skips it
-ARGUMENT_RULES = [
-    (["num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size",
-      "log_every", "max_prompt_length", "max_completion_length", "num_mini_batches", "num_iterations", "num_ppo_epochs",
-      "local_rollout_forward_batch_size", "kl_horizon"], "at least 1", lambda v: v >= 1),
-    (["max_steps", "eval_every", "save_every", "keep_last"], "-1 (off) or at least 1", lambda v: v == -1 or v >= 1),
-    (["learning_rate", "adam_epsilon", "temperature", "kl_target"], "above 0", lambda v: v > 0),
-    (["weight_decay", "max_grad_norm", "skip_nonfinite", "beta", "epsilon", "epsilon_high", "rpo_alpha",
-      "missing_eos_penalty", "kl_coef", "cliprange", "cliprange_value", "vf_coef"], "0 or more", lambda v: v >= 0),
-    (["warmup_ratio", "gamma", "lam"], "in [0, 1]", lambda v: 0 <= v <= 1),
-    (["label_smoothing"], "in [0, 0.5)", lambda v: 0 <= v < 0.5),
-]
-
-
-def check_arguments(args):
-    """Refuse a numeric argument that cannot be meant (a batch size of 0, --max_steps 0, a negative --beta...),
-    naming the flag, before anything is loaded."""
-    for names, allowed, check in ARGUMENT_RULES:
-        for name in names:
-            value = getattr(args, name, None)
-            if value is not None and not check(value):
-                raise ValueError(f"--{name} {value}: must be {allowed}")
-
-
 def setup(args):
-    """The arguments checked (check_arguments); distributed init (torchrun sets RANK and WORLD_SIZE; `python
-    script.py` is world size 1 on the same code path); SIGTERM/SIGINT handlers; --resume_from auto; the computed
-    batch sizes, the seeds and the output folder. Returns rank, world size, device. TRY NOT TO MODIFY: each rank
-    seeds its own stream (dropout); the data order and the sampling use generators of their own, seeded by step."""
-    check_arguments(args)
+    """Distributed init (one process under plain `python`), the guards, batch sizes, seeds."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" in os.environ:
-        dist.init_process_group(backend)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    alone = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    dist.init_process_group(backend, **alone)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    signal.signal(signal.SIGTERM, request_stop)  # preemption: checkpoint at the next optimizer step, then leave
-    signal.signal(signal.SIGINT, request_stop)
-    auto = args.resume_from == "auto"
-    if auto:  # the latest complete checkpoint; None: nothing to continue, start at step 0
-        args.resume_from = (complete_checkpoints(args.output_dir) or [None])[-1]
-    claim_output_dir(args, rank, auto)
+    auto, latest = args.resume_from == "auto", [(complete_checkpoints(args.output_dir) or [None])[-1]]
+    dist.broadcast_object_list(latest, src=0)  # the first process's view: the same for all
+    args.resume_from = latest[0] if auto else args.resume_from
+    guard_run(args, auto)
     args.world_size = world_size
     args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.batch_size = args.local_batch_size * world_size
@@ -535,339 +507,139 @@ def setup(args):
     return rank, world_size, device
 
 
-RUN_FILES = ("metrics.jsonl", "checkpoints", "model.safetensors", "model.safetensors.index.json")  # a run's own
-OUTPUT_DIR_LOCK = []  # rank 0's open output_dir/.lock while the run lives
+def load_tokenizer(args):
+    """The policy's tokenizer and pad id (EOS if none: masks come from lengths)."""
+    tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
+    check_tokenizer(tokenizer, args)
+    return tokenizer, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def claim_output_dir(args, rank, auto):
-    """Rank 0 holds an exclusive flock on output_dir/.lock for the whole run (the system drops it when the process
-    ends, however it ends): a second live run on the same folder is refused. A folder holding another run (RUN_FILES)
-    is refused too, unless this run continues it (--resume_from, or auto restarting a run stopped before its first
-    checkpoint and model) or --overwrite_output_dir, which removes that run's files first. Every rank raises rank 0's
-    verdict (a collective), before anything is loaded."""
-    verdict = [None]
-    if rank == 0:
-        os.makedirs(args.output_dir, exist_ok=True)
-        lock = open(os.path.join(args.output_dir, ".lock"), "w")
-        found = [name for name in RUN_FILES if os.path.exists(os.path.join(args.output_dir, name))]
-        finished = any(name.startswith("model.") for name in found)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            OUTPUT_DIR_LOCK[:] = [lock]
-        except OSError:
-            verdict[0] = (f"another run is writing to --output_dir {args.output_dir} (it holds {lock.name}): let it "
-                          "finish, stop it, or choose another folder")
-        if verdict[0] is None and found and args.resume_from is None and args.overwrite_output_dir:
-            for name in found:
-                path = os.path.join(args.output_dir, name)
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-            print(f"--overwrite_output_dir: removed the previous run's {', '.join(found)} from {args.output_dir}")
-        elif verdict[0] is None and found and args.resume_from is None and (finished or not auto):
-            verdict[0] = (f"--output_dir {args.output_dir} holds another run ({', '.join(found)}), which this one "
-                          "does not continue: --resume_from auto continues it from its latest checkpoint, "
-                          "--overwrite_output_dir replaces it, or choose another folder")
-    dist.broadcast_object_list(verdict, src=0)
-    if verdict[0]:
-        raise ValueError(verdict[0])
-
-
-def missing_local_path(path):
-    """A name meant as a local file or folder that is not there: an absolute or ./ path, or one whose first folder is
-    here (runs/sft, with runs/ here). Such a name is not sent to the hub, where it would be retried for a minute."""
-    first = path.split("/")[0]
-    meant_local = path.startswith(("/", "./", "../", "~")) or ("/" in path and os.path.isdir(first))
-    return meant_local and not os.path.exists(os.path.expanduser(path))
-
-
-def data_file_problem(path):
-    """Why a local JSON/JSONL file did not load, by line (datasets' own error does not say where): empty, not UTF-8,
-    or a line that is not JSON. None when none of these is the cause."""
-    raw = open(path, "rb").read()
-    if not raw.strip():
-        return f"dataset file {path!r} is empty"
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        return f"dataset file {path!r} line {line} is not UTF-8 text ({e.reason} at byte {e.start})"
-    try:
-        json.loads(text)  # one JSON document is a valid file too
-        return None
-    except json.JSONDecodeError:
-        pass
-    for number, line in enumerate(text.splitlines(), 1):
-        try:
-            json.loads(line.strip() or "null")  # a blank line is no row, and no error
-        except json.JSONDecodeError as e:
-            return f"dataset file {path!r} line {number} is not valid JSON ({e.msg}, column {e.colno}): {line[:80]!r}"
-    return None
-
-
-def load_split(name, split):
-    """A split of a hub dataset, a local dataset folder, or a local file (a single file is the train split).
-    Returns None when there is no such split."""
-    if os.path.isfile(name):
-        builders = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}
-        extension = name.rsplit(".", 1)[-1]
-        if extension not in builders:
-            raise ValueError(f"dataset file {name!r}: unknown format .{extension}; give a .json, .jsonl, .parquet or "
-                             ".csv file, a folder of them, or a hub id")
-        if split != "train":
-            return None
-        try:
-            return datasets.load_dataset(builders[extension], data_files=name, split="train")
-        except Exception as e:  # datasets' own errors name neither the line nor the cause
-            problem = data_file_problem(name) if builders[extension] == "json" else None
-            raise ValueError(problem or f"dataset file {name!r} does not load: {e!r}") from e
-    if os.path.isfile(os.path.join(name, "dataset_dict.json")):  # a DatasetDict written by save_to_disk
-        dataset_dict = datasets.load_from_disk(name)
-        return dataset_dict[split] if split in dataset_dict else None
-    if missing_local_path(name):
-        raise ValueError(f"dataset {name!r}: no such file or folder (a hub id is owner/name, with no local folder of "
-                         "that name)")
-    if os.path.isdir(name):
-        check_split_files(name)
-    try:
-        return datasets.load_dataset(name, split=split)
-    except ValueError as e:
-        if "Unknown split" in str(e):
-            return None
-        raise
-    except FileNotFoundError as e:
-        raise ValueError(f"dataset {name!r} is neither a local file or folder of data files nor a dataset on the hub: "
-                         f"{e}") from e
+def load_data(args, tokenizer, tokenize):
+    """Train and test splits, tokenised, whole on every rank."""
+    splits = {}
+    for split in (args.dataset_train_split, args.dataset_test_split):
+        dataset = load_split(args.dataset_name, split)
+        if dataset is not None:
+            check_columns(dataset, args, split, tokenizer)
+            splits[split] = (*tokenize(dataset, tokenizer, args), len(dataset))
+    check_splits(args, tokenizer, {split: data for split, (data, _, _) in splits.items()})
+    (train, dropped, size), test = splits[args.dataset_train_split], splits.get(args.dataset_test_split, [None])[0]
+    if dist.get_rank() == 0:
+        print(f"train: {len(train['prompt'])} of {size} rows kept; dropped: {dropped}; eval: "
+              + (f"{len(test['prompt'])} rows" if test else f"no split {args.dataset_test_split!r}"))
+    return train, test if test and test["prompt"] else None, dropped
 
 
 DATA_EXTENSIONS = tuple(kind + packing for kind in (".json", ".jsonl", ".parquet", ".csv")
                         for packing in ("", ".gz", ".bz2", ".xz", ".zst"))  # datasets reads them compressed too
-DATASETS_METADATA = {"dataset_infos.json", "dataset_info.json", "state.json", "dataset_dict.json"}  # datasets' own
 
 
-def check_split_files(folder):
-    """Every data file of a local folder must land in a split. datasets names a split after a word in a file or folder
-    name (train; test or eval; validation or dev) and, once one name has such a word, silently skips the files whose
-    names have none (with none at all, every file is train)."""
-    splits = {str(split): files for split, files in datasets.load_dataset_builder(folder).config.data_files.items()}
-    used, skipped = {os.path.realpath(f) for files in splits.values() for f in files}, []
-    for root, folders, files in os.walk(folder):
-        folders[:] = [f for f in folders if not f.startswith((".", "__"))]  # hidden: datasets skips them too
-        paths = [os.path.join(root, f) for f in files if f.endswith(DATA_EXTENSIONS) and f not in DATASETS_METADATA
-                 and not f.startswith((".", "__"))]
-        skipped += [os.path.relpath(p, folder) for p in paths if os.path.realpath(p) not in used]
-    if skipped:
-        found = "; ".join(f"{split}: {[os.path.relpath(f, folder) for f in files]}" for split, files in splits.items())
-        raise ValueError(f"dataset folder {folder!r}: {sorted(skipped)} would be in no split (found {found}). A split "
-                         "is named after a word in the file or folder name (train; test or eval; validation or dev): "
-                         "rename the files, e.g. train.jsonl and test.jsonl")
-
-
-def load_pretrained(auto_class, path, args, flag):
-    """auto_class.from_pretrained(path), stopping with a message that names the flag when `path` is not such a model
-    or tokenizer, or when the model lacks weights (a causal LM given as a reward model would get a random score head:
-    HF only warns). Code from the hub runs only with --trust_remote_code."""
-    if missing_local_path(path):
-        raise ValueError(f"{flag} {path!r}: no such folder (a hub id is owner/name, with no local folder of that name)")
-    from safetensors import SafetensorError  # the error of a damaged weights file (transformers' format)
-
-    model_kwargs = {} if auto_class is AutoTokenizer else {"dtype": torch.float32, "output_loading_info": True}
+def load_split(name, split):
+    """A split of a hub dataset, folder or file (its train split), or None; a split may name a file."""
+    check_local_path(name, "dataset")
+    if split.endswith(DATA_EXTENSIONS) and os.path.isfile(split):
+        return load_file(split)
+    if os.path.isfile(name):
+        return load_file(name) if split == "train" else None
+    if os.path.isfile(os.path.join(name, "dataset_dict.json")):
+        return datasets.load_from_disk(name).get(split)
+    files = folder_splits(name) if os.path.isdir(name) else {}
+    if files and split not in files:
+        named = sorted(f for f in os.listdir(name) if f.endswith(DATA_EXTENSIONS) and f.split(".")[0] == split)
+        return load_file(os.path.join(name, named[0])) if named else None
     try:
-        loaded = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **model_kwargs)
-    except SafetensorError as e:  # e.g. "incomplete metadata, file not fully covered": a file cut short
-        raise ValueError(f"{flag} {path!r}: a weights file there is damaged ({e}); copy or download it again") from e
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{flag} {path!r} does not load with {auto_class.__name__}: {e}") from e
-    if auto_class is AutoTokenizer:
-        return loaded
-    model, info = loaded
-    if info["missing_keys"]:
-        raise ValueError(f"{flag} {path!r} has no weights for {sorted(info['missing_keys'])} as "
-                         f"{type(model).__name__}: give a model of that kind (a reward model: the output folder of "
-                         "reward.py)")
-    return model
+        return datasets.load_dataset(name, split=split)
+    except ValueError as e:
+        if "Unknown split" not in str(e):
+            raise
+    except datasets.exceptions.DatasetGenerationError as e:  # the files of one split differ in their columns
+        names = [os.path.basename(f) for f in files.get(split, [])]
+        raise ScriptError(f"dataset {name!r}, split {split!r} {names} does not load ({e.__cause__ or e}): name one "
+                          "file as the split (its name without extension)") from e
+    except FileNotFoundError as e:
+        raise ScriptError(f"dataset {name!r}: no such file or folder, nor on the hub ({e})") from e
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
-ID_COLUMNS = ("prompt", "completion", "chosen", "rejected")  # the token-id columns; the others (answer) are text
+def load_file(path):
+    """A local .json/.jsonl/.parquet/.csv file as a dataset."""
+    builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(path.split(".")[-1])
+    if builder is None:
+        raise ScriptError(f"dataset file {path!r}: unknown format; give a .json, .jsonl, .parquet or .csv file")
+    try:
+        return datasets.load_dataset(builder, data_files=path, split="train")
+    except Exception as e:
+        raise ScriptError(builder == "json" and data_file_problem(path) or f"dataset {path!r}: {e!r}") from e
 
 
-def check_model_limits(args, tokenizer, splits):
-    """Token ids against the model's vocabulary and lengths against its positions, from its config, before the model
-    loads: past either, the embedding lookup fails mid-run (IndexError) or generate does. A sequence is a prompt and its
-    longest completion; for prompts alone (grpo, ppo), the prompt and --max_completion_length new tokens."""
-    config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
-    config, model = config.get_text_config(), f"the model {args.model_name_or_path!r}"
-    special = {"eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id}
-    for name, token_id in special.items():
-        if token_id is not None and token_id >= config.vocab_size:
-            raise ValueError(f"the tokenizer's {name} token id {token_id} is past the vocab_size {config.vocab_size} "
-                             f"of {model}: the tokenizer and the model do not belong together")
-    limit = getattr(config, "max_position_embeddings", None)
-    for split, data in splits.items():
-        columns = [data[c] for c in ID_COLUMNS if data and c in data]
-        top = max((max(ids) for column in columns for ids in column if ids), default=0)
-        if top >= config.vocab_size:
-            raise ValueError(f"split {split!r} has token id {top}, past the vocab_size {config.vocab_size} of "
-                             f"{model}: the tokenizer and the model do not belong together")
-        completions, generated = columns[1:], f"--max_completion_length {args.max_completion_length} new tokens"
-        lengths = [len(prompt) + (max(len(c[i]) for c in completions) if completions else args.max_completion_length)
-                   for i, prompt in enumerate(columns[0] if columns else [])]
-        if limit and lengths and max(lengths) > limit:
-            prompt = tokenizer.decode(columns[0][lengths.index(max(lengths))])[:60]
-            raise ValueError(f"split {split!r}: {max(lengths)} tokens (the prompt {prompt!r}, then "
-                             f"{'its longest completion' if completions else generated}), past the {limit} positions "
-                             f"of {model} (max_position_embeddings): lower --max_completion_length or "
-                             "--max_prompt_length (longer rows are dropped)")
+def folder_splits(folder):
+    """The data files of each split of a local folder, as datasets finds them."""
+    splits = {str(k): list(v) for k, v in datasets.load_dataset_builder(folder).config.data_files.items()}
+    check_split_files(folder, splits)
+    return splits
 
 
-def load_tokenizer(args):
-    """The tokenizer of --model_name_or_path and the pad token id (its EOS when it has no pad token)."""
-    path = args.model_name_or_path
-    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
-        raise ValueError(f"--model_name_or_path {path!r} has no tokenizer files (one of "
-                         f"{', '.join(TOKENIZER_FILES)}): save the tokenizer into the model folder")
-    tokenizer = load_pretrained(AutoTokenizer, path, args, "--model_name_or_path")
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"the tokenizer of {args.model_name_or_path} has no eos_token: completions could never end")
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return tokenizer, pad_token_id
-
-
-ROLES = ("system", "developer", "user", "assistant", "tool")  # the roles of a conversation's messages
-
-
-def check_text_columns(dataset, args, split):
-    """The columns the scripts read as text must have been read as text. A CSV cell, or a JSON value in a column
-    that mixes strings and numbers, that looks like a number comes back as one: "0457" becomes 457, and a verifier
-    then scores the right answer 0. Conversations (lists of messages) are the other form a column may take; each
-    message needs a known role and a text content, and no row may lack a column the others have."""
-    for column in ["prompt", "completion", "chosen", "rejected", "messages", getattr(args, "answer_column", "answer")]:
-        feature = dataset.features.get(column)
-        if feature is None:
-            continue
-        where = f"dataset {args.dataset_name!r}, split {split!r}"
-        try:
-            values = list(dataset[column])
-        except UnicodeDecodeError as e:  # pyarrow keeps the bytes unchecked: they fail when read as text
-            problem = data_file_problem(args.dataset_name) if args.dataset_name.endswith((".json", ".jsonl")) else None
-            raise ValueError(problem or f"{where}, column {column!r}: text that is not UTF-8 ({e.reason})") from e
-        for row, value in enumerate(values):  # a row without it, or a conversation with a malformed message
-            if value is None:
-                raise ValueError(f"{where}, row {row}: no {column!r} (every row needs the same columns: rows of "
-                                 "prompt/completion and rows of messages cannot be mixed)")
-            bad = [m for m in value if not isinstance(m, dict) or m.get("role") not in ROLES
-                   or not isinstance(m.get("content"), str)] if isinstance(value, list) else []
-            if bad:
-                raise ValueError(f"{where}, row {row}, column {column!r}: message {bad[0]!r} needs a role (one of "
-                                 f"{', '.join(ROLES)}) and a text content")
-        if isinstance(feature, (list, datasets.List, datasets.LargeList, datasets.Sequence)):
-            continue
-        if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
-            continue
-        kind = feature.dtype if isinstance(feature, datasets.Value) else "mixed (text and numbers)"
-        raise ValueError(f"dataset {args.dataset_name!r}, split {split!r}: column {column!r} was read as {kind}, not "
-                         f"text (first row: {dataset[0][column]!r}); a number loses its leading zeros ('0457' -> 457). "
-                         "Store the column as text: quoted strings in JSON/JSONL, a string column in parquet (a CSV "
-                         "cell that looks like a number is always read as one)")
-
-
-def load_data(args, tokenizer, tokenize, rank):
-    """The train and test splits of --dataset_name through tokenize(dataset, tokenizer, args) -> (columns, dropped).
-    Every rank holds all of it, so each knows the whole global batch. Returns train, test (None: no such split) and
-    the train split's dropped rows by reason."""
-    train_dataset = load_split(args.dataset_name, args.dataset_train_split)
-    if train_dataset is None:
-        raise ValueError(f"dataset {args.dataset_name!r} has no split {args.dataset_train_split!r}: give another "
-                         "with --dataset_train_split (a data folder's splits are named after its files, e.g. "
-                         "train.jsonl and test.jsonl)")
-    check_text_columns(train_dataset, args, args.dataset_train_split)
-    train, dropped = tokenize(train_dataset, tokenizer, args)
-    eval_dataset = load_split(args.dataset_name, args.dataset_test_split)
-    if eval_dataset:
-        check_text_columns(eval_dataset, args, args.dataset_test_split)
-    test = tokenize(eval_dataset, tokenizer, args)[0] if eval_dataset else None
-    check_model_limits(args, tokenizer, {args.dataset_train_split: train, args.dataset_test_split: test})
-    if rank == 0:
-        print(f"train: {len(train['prompt'])} of {len(train_dataset)} rows kept; dropped: {dropped}")
-        print(f"eval: {len(test['prompt'])} rows" if test else f"no split {args.dataset_test_split!r}: eval skipped")
-    return train, test, dropped
-
-
-def tokenize_prompts(dataset, tokenizer, args, answer_column=None):
-    """Rows of `prompt` (a string, or a list of {"role", "content"} messages rendered with the chat template and its
-    generation prompt), plus an answer column for verifiers -> {"prompt": token ids, "answer": ...}. Empty and
-    over-long prompts are dropped and counted, never silently."""
-    columns = dataset.column_names
-    if "prompt" not in columns or (answer_column and answer_column not in columns):
-        answer = f" and an {answer_column!r} column for the verifier" if answer_column else ""
-        raise ValueError(f"dataset {args.dataset_name!r} has columns {columns}, but needs a 'prompt' column (a "
-                         f"string, or a list of {{'role', 'content'}} messages){answer}")
-    answers = dataset[answer_column] if answer_column else [None] * len(dataset)
+def tokenize_prompts(dataset, tokenizer, args):
+    """Prompts (strings, or messages with the generation prompt) and the verifier's answers;
+    empty and over-long prompts dropped and counted."""
+    prompts, answers = args.prompt_column, getattr(args, "reward_fn", None) and args.answer_column
+    if prompts not in dataset.column_names or (answers and answers not in dataset.column_names):
+        needs = f"a {prompts!r} column" + (f" and an {answers!r} column" if answers else "")
+        raise ScriptError(f"dataset {args.dataset_name!r} has columns {dataset.column_names}: it needs {needs} (see "
+                          "--prompt_column, --answer_column)")
     data, dropped = {"prompt": [], "answer": []}, {"empty prompt": 0, "prompt too long": 0}
-    for prompt, answer in zip(dataset["prompt"], answers):
-        if not prompt:
-            dropped["empty prompt"] += 1
-            continue
+    for prompt, answer in zip(dataset[prompts], dataset[answers] if answers else [None] * len(dataset)):
         if isinstance(prompt, str):
             ids = tokenizer(prompt)["input_ids"]
         else:  # the template writes the special tokens itself
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True) if prompt else ""
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) > args.max_prompt_length:
-            dropped["prompt too long"] += 1
+        reason = "empty prompt" if not ids else "prompt too long" if len(ids) > args.max_prompt_length else None
+        if reason:
+            dropped[reason] += 1
         else:
             data["prompt"].append(ids)
             data["answer"].append(answer)
     return data, dropped
 
 
-def rollouts_of(num_prompts, generations, passes, args, dropped, rank):
-    """The rollouts of an RL run: --max_steps, or --num_train_epochs passes over the prompts. A rollout samples
-    `generations` completions for each of its prompts (rollout_batch_size completions), then makes `passes`
-    (num_iterations, num_ppo_epochs) x num_mini_batches optimizer steps on them. Sets num_training_steps; returns the
-    number of rollouts and the optimizer steps per rollout."""
-    steps_per_rollout = getattr(args, passes) * args.num_mini_batches
+def rollouts_of(num_prompts, generations, passes, args, dropped):
+    """Set num_training_steps: rollouts of `passes` x num_mini_batches optimizer steps."""
+    steps_per_rollout = passes * args.num_mini_batches
     for flag, value in (("--max_steps", args.max_steps), ("--save_every", args.save_every)):
         if value > 0 and value % steps_per_rollout:
-            raise ValueError(f"{flag} must be a multiple of {passes} x num_mini_batches = {steps_per_rollout}, the "
-                             "optimizer steps of a rollout (checkpoints are taken between rollouts)")
+            raise ScriptError(f"{flag} {value}: must be a multiple of the {steps_per_rollout} optimizer steps of a "
+                              "rollout")
     prompts_per_rollout = args.rollout_batch_size // generations
-    if num_prompts // prompts_per_rollout == 0:
-        raise ValueError(f"{num_prompts} training prompts cannot fill one rollout of {prompts_per_rollout} prompts; "
-                         f"dropped: {dropped}. Lower the batch sizes or the number of processes, use more data, or "
-                         "raise --max_prompt_length if the prompts were dropped as too long")
+    if num_prompts < prompts_per_rollout:
+        raise ScriptError(f"{num_prompts} training prompts (dropped: {dropped}) cannot fill a rollout of "
+                          f"{prompts_per_rollout}: lower the batch sizes")
     epochs = args.num_train_epochs * (num_prompts // prompts_per_rollout)
     num_rollouts = args.max_steps // steps_per_rollout if args.max_steps > 0 else epochs
     args.num_training_steps = num_rollouts * steps_per_rollout
-    if rank == 0:
-        groups = f" x {generations} generations = {args.rollout_batch_size} completions" if generations > 1 else ""
-        print(f"{num_rollouts} rollouts of {prompts_per_rollout} prompts{groups}, each {getattr(args, passes)} "
-              f"{passes.split('_')[-1]} x {args.num_mini_batches} mini-batches of {args.batch_size} completions "
-              f"({args.world_size} processes x {args.per_device_train_batch_size} per micro-batch x "
-              f"{args.gradient_accumulation_steps} accumulation) = {args.num_training_steps} optimizer steps")
+    if dist.get_rank() == 0:
+        print(f"{num_rollouts} rollouts of {prompts_per_rollout} prompts x {generations}, each {steps_per_rollout} "
+              f"steps of {args.batch_size}")
     return num_rollouts, steps_per_rollout
 
 
 def global_batch(step, num_rows, batch_size, seed):
-    """Row indices of global batch number `step` (of an optimizer step; of a rollout in RL scripts): the same on every
-    rank and a function of the step alone, so a resumed run sees the same data. Reshuffled every epoch; each epoch
-    leaves its remainder rows out."""
+    """Rows of global batch `step`: a function of the step alone, the same on every rank and on resume."""
     epoch, position = divmod(step, num_rows // batch_size)
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     return order[position * batch_size : (position + 1) * batch_size].tolist()
 
 
-def micro_batches(batch, args, rank):
-    """This rank's micro-batches of a global batch: gradient_accumulation_steps of per_device_train_batch_size rows,
-    the k-th starting at row (k x world_size + rank) x size, so that every split reads the same global batch."""
+def micro_batches(batch, args):
+    """This rank's micro-batches of a global batch."""
     size = args.per_device_train_batch_size
     for k in range(args.gradient_accumulation_steps):
-        start = (k * args.world_size + rank) * size
+        start = (k * args.world_size + dist.get_rank()) * size
         yield batch[start : start + size]
 
 
 def rank_micro_batches(num_rows, rank, world_size, size):
-    """This rank's share of rows 0..num_rows-1 in micro-batches of `size`, as many on every rank because each forward
-    of an FSDP model is a collective: a rank that has run out gets row 0 with valid=False, to be ignored."""
+    """This rank's share of the rows, as many micro-batches on every rank (FSDP forwards are
+    collectives): a rank out of rows gets row 0 with valid=False."""
     share = list(range(rank, num_rows, world_size))
     for start in range(0, math.ceil(num_rows / world_size), size):
         rows = share[start : start + size]
@@ -875,15 +647,15 @@ def rank_micro_batches(num_rows, rank, world_size, size):
 
 
 def pad(sequences, value, side):
-    """Pad lists of ints to one width, on the left or the right; returns a LongTensor."""
+    """Pad lists of ints to one width, on the left or the right."""
     width = max(len(s) for s in sequences)
     fill = [[value] * (width - len(s)) for s in sequences]
     return torch.tensor([f + s if side == "left" else s + f for s, f in zip(sequences, fill)], dtype=torch.long)
 
 
 def make_batch(prompts, completions, pad_token_id):
-    """[left-padded prompts | right-padded completions]. Masks come from lengths, never from pad_token_id, so the
-    completion's EOS stays in the loss when pad == eos. Returns input_ids, attention_mask, completion_mask."""
+    """[left-padded prompts | right-padded completions], masks from the lengths, never from pad_token_id
+    (EOS stays in the loss when pad == eos)."""
     ones = [[1] * len(s) for s in prompts], [[1] * len(s) for s in completions]
     input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
     completion_mask = pad(ones[1], 0, "right")
@@ -896,100 +668,22 @@ def batch_on(device, prompts, completions, rows, pad_token_id):
     return [t.to(device) for t in batch]
 
 
-def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
-    """Log-probabilities of the last `completion_width` tokens, from logits / temperature; with_entropy: also the
-    entropy of each of those next-token distributions (detached: a statistic, not a loss term). The model's own head
-    runs on the last position only; HeadLogprobs applies it to the completion's hidden states, in chunks."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
-    outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                    output_hidden_states=True, logits_to_keep=1)
-    hidden, head = outputs.hidden_states[-1], model.get_output_embeddings()  # hidden states after the final norm
-    with torch.no_grad():  # HeadLogprobs must compute what the model's head computed at the last position
-        theirs = outputs.logits[:, -1].float()
-        difference = (torch.nn.functional.linear(hidden[:, -1], head.weight, head.bias).float() - theirs).abs()
-        if (difference > 0.02 * (1 + theirs.abs().max())).any():  # NaN passes here: the step's own check names it
-            raise ValueError(f"{type(model).__name__}: its logits are not its head's linear map of its last hidden "
-                             "states (a logit scale or soft-capping?), which completion_logprobs assumes")
-    labels = input_ids[:, -completion_width:]
-    hidden = hidden[:, -completion_width - 1:-1]  # the state at t predicts token t + 1
-    logprobs, entropy = HeadLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias,
-                                           labels.reshape(-1), temperature, with_entropy)
-    if not with_entropy:
-        return logprobs.view(labels.shape)
-    return logprobs.view(labels.shape), entropy.view(labels.shape)
-
-
-class HeadLogprobs(torch.autograd.Function):
-    """log_softmax(linear(hidden, weight, bias).float() / temperature) at `labels`, ROWS rows at a time, and the
-    entropies if asked (no gradient; else an empty tensor). Autograd through that expression on the whole batch keeps
-    about four fp32 copies of the (rows, vocabulary) logits: 1.9 GB each for 8 x 385 tokens and a 152k vocabulary.
-    Here a chunk's logits are freed before the next chunk's; the backward computes them again (one more matmul of the
-    head) from the saved hidden states."""
-
-    ROWS = 1024
-
-    @staticmethod
-    def logits(hidden, weight, bias, temperature):  # one chunk's, the same in the forward and the backward
-        return torch.nn.functional.linear(hidden, weight, bias).float() / temperature
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, with_entropy):
-        n = len(hidden)
-        logprobs, logsumexp = hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32)
-        entropy = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)
-        for start in range(0, n, HeadLogprobs.ROWS):
-            rows = slice(start, start + HeadLogprobs.ROWS)
-            logits = HeadLogprobs.logits(hidden[rows], weight, bias, temperature)
-            logsumexp[rows] = logits.logsumexp(-1)
-            logprobs[rows] = logits.gather(-1, labels[rows, None])[:, 0] - logsumexp[rows]
-            if with_entropy:  # H = logsumexp - sum(p * logits)
-                entropy[rows] = logsumexp[rows] - (logits.softmax(-1) * logits).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, labels, logsumexp)
-        ctx.temperature = temperature
-        ctx.mark_non_differentiable(entropy)
-        return logprobs, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, bias, labels, logsumexp = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # summed over the chunks in fp32
-        grad_bias = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
-        for start in range(0, len(hidden), HeadLogprobs.ROWS):
-            rows = slice(start, start + HeadLogprobs.ROWS)
-            logits, g = HeadLogprobs.logits(hidden[rows], weight, bias, ctx.temperature), grad_logprobs[rows, None]
-            # d log p(label) / d logits = onehot(label) - softmax(logits), then divided by the temperature
-            grad_logits = logits.sub_(logsumexp[rows, None]).exp_().mul_(-g).scatter_add_(-1, labels[rows, None], g)
-            grad_logits = grad_logits.div_(ctx.temperature).to(hidden.dtype)
-            grad_hidden[rows] = grad_logits @ weight
-            grad_weight += (grad_logits.T @ hidden[rows]).float()
-            if bias is not None:
-                grad_bias += grad_logits.float().sum(0)
-        grad_bias = None if bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None
-
-
-def last_token_index(attention_mask):
-    """Column of the last real token of each row, from the mask alone: right for left or right padding, and when
-    pad == eos (HF's sequence classification takes the last token != pad_token_id, which skips an EOS equal to pad)."""
-    return (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(1)
-
-
-def sequence_scores(model, input_ids, attention_mask):
-    """Reward-model score of each row at its last real token, plus the config's `score_bias` (reward.py
-    --normalize_reward; HF's decoder classification heads have no bias parameter to hold it). HF applies the head at
-    every position and pools by pad_token_id; a hook keeps the head's output for all positions and we index it."""
-    outputs = []
-    hook = model.score.register_forward_hook(lambda module, inputs, output: outputs.append(output))
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    hook.remove()
-    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    return outputs[0][rows, last_token_index(attention_mask), 0].float() + getattr(model.config, "score_bias", 0.0)
+def load_pretrained(auto_class, path, args, flag):
+    """auto_class.from_pretrained(path), a model in fp32; refused naming `flag`."""
+    check_local_path(path, flag, auto_class)
+    options = {} if auto_class is AutoTokenizer else {"dtype": torch.float32, "output_loading_info": True}
+    try:
+        loaded = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **options)
+    except (OSError, ValueError, SafetensorError) as e:
+        raise loading_error(auto_class, path, flag, e) from e
+    if auto_class is AutoTokenizer:
+        return loaded
+    check_weights(*loaded, path, flag)
+    return loaded[0]
 
 
 def disable_dropout(model):
-    """Dropout off: every dropout layer, and the attention dropout that HF models read from an attribute."""
+    """Dropout off: the passes that compare log-probs must agree."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -998,16 +692,14 @@ def disable_dropout(model):
 
 
 def shard_model(model, args, device):
-    """FSDP2: each decoder layer, then the root (embeddings, final norm, head). Gradients are summed over ranks,
-    not averaged: every loss here is already divided by a count taken over the whole global batch."""
+    """FSDP2: each decoder layer, then the root; gradients summed (each loss is a global mean already)."""
     bf16 = args.bf16 and device.type == "cuda"
     mixed = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
     policies = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)),
                 "mp_policy": MixedPrecisionPolicy(**mixed),
                 "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()}
-    layer_classes = set(model._no_split_modules or [])  # HF's name for the decoder layer classes
     for module in model.modules():
-        if type(module).__name__ in layer_classes:
+        if type(module).__name__ in (model._no_split_modules or []):  # HF's name for the decoder layer classes
             fully_shard(module, reshard_after_forward=args.reshard_after_forward, **policies)
     fully_shard(model, **policies)  # the root keeps its own default: it runs first in the backward
     for module in model.modules():
@@ -1018,8 +710,7 @@ def shard_model(model, args, device):
 
 
 def load_trained(auto_class, path, args, flag, device):
-    """A model to train: loaded, dropout off (the log-probs and values of the same tokens must not change between the
-    passes that compare them), activations recomputed in the backward with --gradient_checkpointing, sharded."""
+    """A model to train: dropout off, sharded."""
     model = load_pretrained(auto_class, path, args, flag)
     disable_dropout(model)
     if args.gradient_checkpointing:
@@ -1027,28 +718,69 @@ def load_trained(auto_class, path, args, flag, device):
     return shard_model(model, args, device)
 
 
-def load_reward_model(args, tokenizer, device):
-    """The frozen reward model of --reward_model_path (written by reward.py), refused unless its tokenizer is the
-    policy's: the scripts feed it the policy's token ids."""
-    reward_tokenizer = load_pretrained(AutoTokenizer, args.reward_model_path, args, "--reward_model_path")
-    if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise ValueError(f"the reward model {args.reward_model_path} has another tokenizer than the policy: this "
-                         "script feeds it the policy's token ids")
-    return load_frozen(AutoModelForSequenceClassification, args.reward_model_path, args, "--reward_model_path", device)
-
-
 def load_frozen(auto_class, path, args, flag, device):
-    """A model that is not trained (a reference or a reward model): loaded, dropout off, no gradients, eval mode,
-    sharded like the policy."""
+    """A model not trained (reference, reward): dropout off, no gradients, sharded."""
     model = load_pretrained(auto_class, path, args, flag)
     disable_dropout(model.requires_grad_(False).eval())
     return shard_model(model, args, device)
 
 
+def load_reward_model(args, tokenizer, device):
+    """The frozen reward model; its tokenizer must be the policy's (it is fed the policy's ids)."""
+    reward_tokenizer = load_pretrained(AutoTokenizer, args.reward_model_path, args, "--reward_model_path")
+    if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ScriptError(f"--reward_model_path {args.reward_model_path}: its tokenizer is not the policy's")
+    return load_frozen(AutoModelForSequenceClassification, args.reward_model_path, args, "--reward_model_path", device)
+
+
+def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
+    """Log-probs of the last `completion_width` tokens from logits / temperature (and entropies).
+    The model's head runs on the last position only; head_logprobs does the rest in chunks."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
+    hidden = []  # the decoder's output (output_hidden_states would return views, which FSDP2 warns of)
+    hook = model.get_decoder().register_forward_hook(lambda module, inputs, output: hidden.append(output[0]))
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                   logits_to_keep=1).logits
+    hook.remove()
+    head = model.get_output_embeddings()
+    check_linear_head(model, head, hidden[0][:, -1], logits[:, -1])
+    labels = input_ids[:, -completion_width:]
+    hidden = hidden[0][:, -completion_width - 1 : -1].flatten(0, 1)  # the state at t predicts token t + 1
+    logprobs, entropy = head_logprobs(hidden, head.weight, head.bias, labels.flatten(), temperature)
+    return (logprobs.view(labels.shape), entropy.view(labels.shape)) if with_entropy else logprobs.view(labels.shape)
+
+
+def head_logprobs(hidden, weight, bias, labels, temperature, rows=512):
+    """log_softmax(head(hidden) / temperature) at `labels`, and entropies, `rows` at a time, recomputed in
+    the backward: autograd through all the (tokens, vocabulary) logits keeps four fp32 copies."""
+    chunks = [checkpoint(head_chunk, h, weight, bias, l, temperature, use_reentrant=False, preserve_rng_state=False)
+              for h, l in zip(hidden.split(rows), labels.split(rows))]
+    return [torch.cat(parts) for parts in zip(*chunks)]
+
+
+def head_chunk(hidden, weight, bias, labels, temperature):
+    log_softmax = (torch.nn.functional.linear(hidden, weight, bias).float() / temperature).log_softmax(-1)
+    return log_softmax.gather(-1, labels[:, None])[:, 0], -(log_softmax.exp() * log_softmax).sum(-1).detach()
+
+
+def last_token_index(attention_mask):
+    """Each row's last real token, from the mask (not from pad, which may equal EOS)."""
+    return (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(1)
+
+
+def sequence_scores(model, input_ids, attention_mask):
+    """Reward-model score at each row's last real token, plus the config's score_bias."""
+    outputs = []
+    hook = model.score.register_forward_hook(lambda module, inputs, output: outputs.append(output))
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    hook.remove()
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    return outputs[0][rows, last_token_index(attention_mask), 0].float() + getattr(model.config, "score_bias", 0.0)
+
+
 def make_optimizer(model, args):
-    """AdamW (fused: one kernel over all parameters; foreach over DTensors took 2-3x the time on CPU) or TF Adam; the
-    LR schedule, fixed now for num_training_steps and stepped once per optimizer step; and the step and the loop's own
-    state from --resume_from (else 0 and a fresh {"skipped": []})."""
+    """AdamW or TF-style Adam, the LR schedule, and the state --resume_from restores."""
     if args.optimizer == "adam_tf":
         optimizer = AdamTF(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
     else:
@@ -1057,46 +789,15 @@ def make_optimizer(model, args):
     warmup = math.ceil(args.warmup_ratio * args.num_training_steps)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                               num_training_steps=args.num_training_steps)
-    start_step, state = (0, {"skipped": []})
+    start_step, state = 0, {"skipped": []}
     if args.resume_from:
         start_step, state = load_checkpoint(args.resume_from, model, optimizer, scheduler, args)
     return optimizer, scheduler, start_step, state
 
 
-def optimizer_step(model, optimizer, scheduler, loss, step, args, skipped):
-    """Clip the gradient norm (--max_grad_norm; 0: measured only), apply the update unless guard_step refuses it,
-    step the LR schedule once, clear the gradients. `loss` is this rank's part of the step's loss. Returns the
-    learning rate the step used, the gradient norm, and whether to stop (a signal arrived)."""
-    max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    update, stop = guard_step(loss, grad_norm, step, args, skipped)
-    if update:
-        optimizer.step()
-    lr = scheduler.get_last_lr()[0]  # the learning rate this step used
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return lr, grad_norm, stop
-
-
-def is_due(step, every, args):
-    """Whether to log (or evaluate) after optimizer step `step`: every `every` steps (-1: never), and the last one."""
-    return step == args.num_training_steps or (every > 0 and step % every == 0)
-
-
-def reduce_sums(sums):
-    """{name: this rank's running sum (a 0-d tensor)} -> {name: the sum over all ranks}, in one all-reduce. Every
-    rank runs the same code, so every rank has the same names."""
-    names = sorted(sums)
-    totals = torch.stack([sums[name].float() for name in names])
-    dist.all_reduce(totals)
-    return dict(zip(names, totals.tolist()))
-
-
-def open_metrics(args, start_step, rank):
-    """Rank 0: the wandb run (--track) and output_dir/metrics.jsonl; a resumed run continues the file, and the rows
-    logged after its checkpoint are dropped. Returns the file's path."""
-    path = os.path.join(args.output_dir, "metrics.jsonl")
+def open_metrics(args, start_step):
+    """wandb, metrics.jsonl (kept up to a resumed step), a progress bar on a terminal only."""
+    path, rank = os.path.join(args.output_dir, "metrics.jsonl"), dist.get_rank()
     if rank == 0:
         if args.track:
             import wandb
@@ -1106,14 +807,116 @@ def open_metrics(args, start_step, rank):
         old = [json.loads(line) for line in open(path)] if start_step > 0 and os.path.exists(path) else []
         with open(path, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in old if row["step"] <= start_step)
-    return path
+    bar = tqdm(total=args.num_training_steps, initial=start_step, desc=args.exp_name,
+               disable=rank != 0 or not sys.stderr.isatty())
+    return path, bar
 
 
-def log_metrics(metrics, path, args, progress, rank, samples=None):
-    """Rank 0 prints the metrics, appends them to metrics.jsonl and logs them to wandb. `samples`: a table of
-    completions, its first row the header (prompt, completion, then numbers), printed and logged as a wandb table.
-    No collective here: the metrics are reduced before."""
-    if rank != 0:
+@contextlib.contextmanager
+def unsharded(model, keep=False):
+    """Parameters gathered once, FSDP2's hooks set aside: generation's forwards are no collectives."""
+    fsdp_modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    hooks = [(module._forward_pre_hooks, module._forward_hooks) for module in fsdp_modules]
+    for module in fsdp_modules:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
+        module._forward_pre_hooks, module._forward_hooks = collections.OrderedDict(), collections.OrderedDict()
+    try:
+        yield
+    finally:
+        for module, (pre_hooks, post_hooks) in zip(fsdp_modules, hooks):
+            module._forward_pre_hooks, module._forward_hooks = pre_hooks, post_hooks
+            if not keep:  # keep (--no-reshard_after_forward): still gathered for the next forward
+                module.set_reshard_after_forward(module is not model, recurse=False)  # as shard_model left it
+                module.reshard()
+
+
+@torch.no_grad()
+def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_id, pad_token_id, cache="dynamic"):
+    """A completion per prompt from softmax(logits / temperature) (None: greedy), cut after EOS."""
+    device = next(model.parameters()).device
+    input_ids, attention_mask = pad(prompts, pad_token_id, "left"), pad([[1] * len(p) for p in prompts], 0, "left")
+    if cache == "static":  # prompt widths in steps of 64: fewer shapes to compile
+        extra = -input_ids.shape[1] % 64
+        input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad_token_id)
+        attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0), value=0)
+    # exactly the log-probs' distribution: not the folder's generation_config (top_k, top_p...) nor HF's top_k 50
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
+    config = GenerationConfig(**(sampling or {"do_sample": False}), max_new_tokens=max_new_tokens,
+                              eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                              cache_implementation=None if cache == "dynamic" else cache)
+    folder_config, model.generation_config, was_training = model.generation_config, GenerationConfig(), model.training
+    model.eval()  # gradient checkpointing, in training mode, turns the KV cache off
+    try:  # synced_gpus False: the parameters are gathered (unsharded), ranks need not keep step
+        output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                generation_config=config, synced_gpus=False)
+    finally:
+        model.generation_config = folder_config
+        model.train(was_training)
+    rows = output[:, input_ids.shape[1] :].tolist()
+    return [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
+
+
+def sample_rollout(model, prompts, rollout, args, eos_token_id, pad_token_id):
+    """Completions in chunks round-robin over the ranks, each seeded by (seed, rollout, chunk): the same
+    on any number of processes and after a resume."""
+    device, rank = next(model.parameters()).device, dist.get_rank()
+    n, width, chunk_size = len(prompts), args.max_completion_length, args.local_rollout_forward_batch_size
+    completion_ids = torch.zeros(n, width, dtype=torch.long, device=device)
+    lengths = torch.zeros(n, dtype=torch.long, device=device)
+    with unsharded(model, keep=not args.reshard_after_forward):
+        for chunk, start in enumerate(range(0, n, chunk_size)):
+            if chunk % args.world_size == rank:
+                torch.manual_seed((args.seed * 100_003 + rollout) * 100_003 + chunk)
+                completions = generate_completions(model, prompts[start : start + chunk_size], width, args.temperature,
+                                                   eos_token_id, pad_token_id, args.cache_implementation)
+                for i, completion in enumerate(completions, start):
+                    completion_ids[i, : len(completion)] = torch.tensor(completion)
+                    lengths[i] = len(completion)
+    dist.all_reduce(completion_ids)  # each row is filled by one rank only
+    dist.all_reduce(lengths)
+    return [completion_ids[i, :length].tolist() for i, length in enumerate(lengths.tolist())], lengths
+
+
+def rollout_mini_batches(rollout, passes, args):
+    """`passes` passes over a rollout, each a fresh order cut into num_mini_batches."""
+    for iteration in range(passes):
+        seed = (args.seed * 100_003 + rollout) * 100_003 + iteration
+        order = torch.randperm(args.rollout_batch_size, generator=torch.Generator().manual_seed(seed)).tolist()
+        for k in range(args.num_mini_batches):
+            yield order[k * args.batch_size : (k + 1) * args.batch_size]
+
+
+def optimizer_step(model, optimizer, scheduler, loss, step, args, state):
+    """Clip the gradient norm, update unless guard_step refuses, step the LR schedule once."""
+    max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    update, stop = guard_step(loss, grad_norm, step, args, state)
+    if update:
+        optimizer.step()
+    lr = scheduler.get_last_lr()[0]
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lr, grad_norm, stop
+
+
+def is_due(step, every, args):
+    """Whether to log or evaluate after `step`: every `every` steps (-1: never), and the last."""
+    return step == args.num_training_steps or (every > 0 and step % every == 0)
+
+
+def reduce_sums(sums):
+    """{name: this rank's sum} -> {name: the sum over ranks}, one all-reduce."""
+    names = sorted(sums)
+    totals = torch.stack([sums[name].float() for name in names])
+    dist.all_reduce(totals)
+    return dict(zip(names, totals.tolist()))
+
+
+def log_metrics(metrics, path, args, progress, samples=None):
+    """Rank 0 prints the metrics (and samples), logs them to metrics.jsonl and wandb."""
+    if dist.get_rank() != 0:
         return
     progress.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
     for prompt, completion, *numbers in (samples or [[]])[1:]:
@@ -1128,148 +931,39 @@ def log_metrics(metrics, path, args, progress, rank, samples=None):
         wandb.log({**metrics, **table}, step=metrics["step"])
 
 
-@contextlib.contextmanager
-def unsharded(model, keep=False):
-    """Every FSDP2 parameter gathered once for the whole block: generation runs one forward per new token, and FSDP2
-    would otherwise all-gather every layer again for each one. No forward in the block is then a collective, so ranks
-    may generate different numbers of tokens. FSDP2's forward hooks are set aside meanwhile: with everything gathered
-    they have nothing to do, yet they ran at every module for every token (a third of a GRPO step on an H100,
-    bench/RESULTS.md) and would split a compiled graph. keep (--no-reshard_after_forward): still gathered after the
-    block, so the next forward needs no all-gather; the backward frees them."""
-    fsdp_modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    hooks = [(module._forward_pre_hooks, module._forward_hooks) for module in fsdp_modules]
-    for module in fsdp_modules:
-        module.unshard()
-        module.set_reshard_after_forward(False, recurse=False)
-        module._forward_pre_hooks, module._forward_hooks = collections.OrderedDict(), collections.OrderedDict()
-    try:
-        yield
-    finally:
-        for module, (pre_hooks, post_hooks) in zip(fsdp_modules, hooks):
-            module._forward_pre_hooks, module._forward_hooks = pre_hooks, post_hooks
-            if not keep:
-                module.set_reshard_after_forward(module is not model, recurse=False)  # as shard_model left it
-                module.reshard()
-
-
-@torch.no_grad()
-def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_id, pad_token_id, cache="dynamic"):
-    """One completion per prompt (lists of token ids) with HF generate: sampled from softmax(logits / temperature), or
-    greedy if temperature is None. Each completion is cut after its first EOS; one without EOS is truncated. cache:
-    --cache_implementation; static pads the prompts to a multiple of 64 tokens, so that widths share a compiled step."""
-    device = next(model.parameters()).device
-    input_ids, attention_mask = pad(prompts, pad_token_id, "left"), pad([[1] * len(p) for p in prompts], 0, "left")
-    if cache == "static":
-        extra = -input_ids.shape[1] % 64
-        input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad_token_id)
-        attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0), value=0)
-    # Sample from exactly the distribution the log-probs are computed from: generate fills every option left unset
-    # from the model folder's generation_config (Qwen's sets top_k 20, top_p 0.8, repetition_penalty 1.05), and its
-    # global default top_k is 50, so swap in a blank config and turn top_k off.
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
-    config = GenerationConfig(**(sampling or {"do_sample": False}), max_new_tokens=max_new_tokens,
-                              eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                              cache_implementation=None if cache == "dynamic" else cache)
-    folder_config, model.generation_config, was_training = model.generation_config, GenerationConfig(), model.training
-    model.eval()  # gradient checkpointing acts in training mode only, and there it turns the KV cache off
-    try:  # position ids: generate derives them from the attention mask itself. synced_gpus: HF would all-reduce a
-        # "finished" flag after every token of an FSDP model; with the parameters gathered, ranks need not keep step
-        output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                generation_config=config, synced_gpus=False)
-    finally:
-        model.generation_config = folder_config
-        model.train(was_training)
-    rows = output[:, input_ids.shape[1] :].tolist()
-    return [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
-
-
-def sample_rollout(model, prompts, args, rollout, rank, eos_token_id, pad_token_id, device):
-    """Completions of every prompt, the parameters gathered once: chunks of local_rollout_forward_batch_size rows,
-    round-robin over the ranks, each seeded by (seed, rollout, chunk), so the samples depend neither on the number of
-    processes nor on a resume; the sum over ranks of the zero-initialised tables gives every rank the whole rollout.
-    Returns the completions (lists of token ids, cut after EOS) and their lengths (a tensor)."""
-    n, width, chunk_size = len(prompts), args.max_completion_length, args.local_rollout_forward_batch_size
-    completion_ids = torch.zeros(n, width, dtype=torch.long, device=device)
-    lengths = torch.zeros(n, dtype=torch.long, device=device)
-    with unsharded(model, keep=not args.reshard_after_forward):
-        for chunk, start in enumerate(range(0, n, chunk_size)):
-            if chunk % args.world_size != rank:
-                continue
-            torch.manual_seed((args.seed * 100_003 + rollout) * 100_003 + chunk)
-            chunk_prompts = prompts[start : start + chunk_size]
-            completions = generate_completions(model, chunk_prompts, width, args.temperature, eos_token_id,
-                                               pad_token_id, args.cache_implementation)
-            for i, completion in enumerate(completions, start):
-                completion_ids[i, : len(completion)] = torch.tensor(completion)
-                lengths[i] = len(completion)
-    dist.all_reduce(completion_ids)
-    dist.all_reduce(lengths)
-    return [completion_ids[i, :length].tolist() for i, length in enumerate(lengths.tolist())], lengths
-
-
-def rollout_mini_batches(rollout, passes, args):
-    """`passes` passes over a rollout of rollout_batch_size completions, each a fresh order (seeded by rollout and
-    pass) cut into num_mini_batches global mini-batches of batch_size: the same on every rank and after a resume."""
-    for iteration in range(passes):
-        seed = (args.seed * 100_003 + rollout) * 100_003 + iteration
-        order = torch.randperm(args.rollout_batch_size, generator=torch.Generator().manual_seed(seed)).tolist()
-        for k in range(args.num_mini_batches):
-            yield order[k * args.batch_size : (k + 1) * args.batch_size]
-
-
-STOP_SIGNALS = []  # signals received: request_stop appends, guard_step reads
-
-
-def request_stop(signum, frame):
-    """SIGTERM (preemption: torchrun forwards it to every process) or SIGINT (Ctrl-C) only raise a flag; the loop sees
-    it at the next optimizer step, saves a checkpoint and leaves. A second Ctrl-C stops at once."""
-    if signum == signal.SIGINT and STOP_SIGNALS:
-        raise KeyboardInterrupt
-    STOP_SIGNALS.append(signum)
-
-
-def guard_step(loss, grad_norm, step, args, skipped):
-    """Before optimizer.step(), one all-reduce: is this step's loss (this rank's part) or gradient norm NaN or inf
-    anywhere, and has any rank been asked to stop? Every rank gets the same answer and takes the same branch. A
-    non-finite step is not applied, up to --skip_nonfinite times (`skipped` lists them); past that the run stops with
-    a message naming the step, the metric and the last complete checkpoint. Returns (apply the update, stop now)."""
-    stop_flag = torch.tensor(float(bool(STOP_SIGNALS)), device=grad_norm.device)
-    bad = [(~torch.isfinite(value)).float() for value in (loss, grad_norm)]
-    flags = torch.stack([*bad, stop_flag])
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    bad_loss, bad_norm, stop = flags.tolist()
-    if not bad_loss and not bad_norm:
-        return True, stop > 0
-    what = " and ".join(name for name, bad in [("loss", bad_loss), ("grad_norm", bad_norm)] if bad)
-    skipped.append(step)
-    if len(skipped) <= args.skip_nonfinite:
-        if dist.get_rank() == 0:
-            print(f"step {step}: non-finite {what}: update skipped ({len(skipped)} of --skip_nonfinite "
-                  f"{args.skip_nonfinite})")
-        return False, stop > 0
-    last = (complete_checkpoints(args.output_dir) or ["none (see --save_every)"])[-1]
-    raise FloatingPointError(
-        f"step {step}: non-finite {what} (grad_norm {grad_norm.item()}); the model was not updated with it. Last "
-        f"complete checkpoint: {last}. Resume from it with a lower --learning_rate or --max_grad_norm, check this "
-        "step's data, or pass --skip_nonfinite N to skip up to N such steps")
-
-
-def leave_after_signal(checkpoint, rank):
-    """After the checkpoint a SIGTERM/SIGINT asked for: say how to continue, close the process group and exit with
-    128 + the signal, so that a job scheduler sees an interrupted run, not a finished one."""
-    signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # the signal may have reached another rank only
+def save_checkpoint(model, optimizer, scheduler, step, args, state):
+    """checkpoints/step_N: model and optimizer (DCP, sharded), each rank's scheduler, RNG and loop state;
+    written as step_N.tmp, renamed once whole (checkpoint.json lists each file's size)."""
+    rank, path = dist.get_rank(), os.path.join(args.output_dir, "checkpoints", f"step_{step}")
     if rank == 0:
-        print(f"stopped by {signal.Signals(signum).name}: checkpoint {checkpoint}; the same command with "
-              "--resume_from auto continues the run")
+        shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # left by a crash
     dist.barrier()
-    dist.destroy_process_group()
-    sys.exit(128 + signum)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    try:
+        dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=f"{path}.tmp")
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        rng |= {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
+        torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state},
+                   f"{path}.tmp/rank{rank}.pt")
+        dist.barrier()
+        if rank == 0:
+            files = {name: os.path.getsize(os.path.join(f"{path}.tmp", name)) for name in os.listdir(f"{path}.tmp")}
+            with open(f"{path}.tmp/checkpoint.json", "w") as f:
+                json.dump({"step": step, "args": vars(args), "files": files}, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            shutil.rmtree(path, ignore_errors=True)  # a run restarted into its output_dir overwrites its old step
+            os.replace(f"{path}.tmp", path)
+    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # DCP gathers every rank's errors
+        raise checkpoint_error(path, step, args, e) from e
+    for old in complete_checkpoints(args.output_dir)[: -args.keep_last] if args.keep_last > 0 and rank == 0 else []:
+        shutil.rmtree(old)
+    dist.barrier()
+    return path
 
 
 def complete_checkpoint(path):
-    """The manifest (checkpoint.json) of a complete checkpoint folder, else None: the folder is named after its step,
-    and every file the manifest lists is there at its size (a folder still being written, truncated or copied in
-    part fails this)."""
+    """The manifest of a complete checkpoint folder, or None."""
     try:
         manifest = json.load(open(os.path.join(path, "checkpoint.json")))
         sizes = all(os.path.getsize(os.path.join(path, name)) == size for name, size in manifest["files"].items())
@@ -1279,56 +973,353 @@ def complete_checkpoint(path):
 
 
 def complete_checkpoints(output_dir):
-    """The complete checkpoints of output_dir/checkpoints, oldest step first (--resume_from auto takes the last)."""
+    """output_dir's complete checkpoints, oldest first."""
     root = os.path.join(output_dir, "checkpoints")
     found = [(manifest["step"], os.path.join(root, name)) for name in (os.listdir(root) if os.path.isdir(root) else [])
              if (manifest := complete_checkpoint(os.path.join(root, name)))]
     return [path for _, path in sorted(found)]
 
 
-def save_checkpoint(model, optimizer, scheduler, step, args, state):
-    """output_dir/checkpoints/step_N: model and optimizer tensors (torch.distributed.checkpoint, sharded), and per
-    rank the scheduler, the RNG states and `state` (the loop's own: skipped steps, the KL controller) in a
-    weights_only file. Written as step_N.tmp; when every rank is done, rank 0 lists each file with its size in
-    checkpoint.json (with the arguments) and renames the folder, so a crash while saving leaves the previous
-    checkpoint the latest complete one. --keep_last N then removes the older ones. Returns the folder. A write that
-    fails (a full disk) removes the partial folder and stops the run, naming the checkpoint to resume from."""
-    rank = dist.get_rank()
-    path = os.path.join(args.output_dir, "checkpoints", f"step_{step}")
-    if rank == 0:
-        shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # left by a crash
-    dist.barrier()
+def load_checkpoint(path, model, optimizer, scheduler, args):
+    """Restore a checkpoint of this run on any number of processes (DCP reshards)."""
+    manifest = check_checkpoint(path, args)
     model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state["state"]}
+    dcp.load(state, storage_reader=CheckpointReader(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict={"state": state["optimizer"], "param_groups": optimizer_state["param_groups"]})
+    same = manifest["args"]["world_size"] == args.world_size  # else the per-rank random streams restart
+    extra = torch.load(os.path.join(path, f"rank{dist.get_rank() if same else 0}.pt"), weights_only=True)
+    scheduler.load_state_dict(extra["scheduler"])
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr  # the next step's (param_groups are not in the checkpoint)
+    if same:
+        torch.set_rng_state(extra["rng"]["torch"])
+        random.setstate(extra["rng"]["python"])
+        if "cuda" in extra["rng"]:
+            torch.cuda.set_rng_state(extra["rng"]["cuda"])
+    if dist.get_rank() == 0:
+        print(f"resumed from {path} (written by {manifest['args']['world_size']} processes)")
+    return extra["step"], extra["state"]
+
+
+def save_hf_model(model, tokenizer, output_dir):
+    """Gather the full weights on rank 0 (a collective) and write a Hugging Face folder."""
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    first_name = {}  # tied parameters (embeddings = head) come back as copies: keep the first name only
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if first_name.setdefault(id(param), name) != name:
+            state_dict.pop(name, None)
+    if dist.get_rank() == 0:
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
+
+
+def finish(model, tokenizer, args, device):
+    """Write the Hugging Face folder, print the peak memory, close wandb and the process group."""
+    save_hf_model(model, tokenizer, args.output_dir)
+    gpu = device.type == "cuda"
+    peak = torch.tensor(torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                        * 1024.0, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        print(f"saved {args.output_dir}; peak {'GPU' if gpu else 'CPU RSS'} memory per process {peak / 2**30:.2f} GiB")
+        if args.track:
+            import wandb
+
+            wandb.finish()
+    dist.barrier()  # no rank tears gloo/nccl down while another still communicates
+    dist.destroy_process_group()
+    while OUTPUT_DIR_LOCK:  # the folder is free for the next run
+        OUTPUT_DIR_LOCK.pop().close()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Guards: what only refuses bad input or protects a run, each reached by one call from the plumbing or main.
+class ScriptError(ValueError):
+    """An error raised on purpose: its message names the problem, where, and the fix."""
+
+
+def guard_run(args, auto):
+    """Errors as one line, signals as a checkpoint, the arguments checked, output_dir claimed."""
+    sys.excepthook = report_error
+    signal.signal(signal.SIGTERM, request_stop)  # preemption: torchrun forwards it to every process
+    signal.signal(signal.SIGINT, request_stop)
+    logging.getLogger("transformers.modeling_utils").addFilter(lambda record: "LOAD REPORT" not in str(record.msg))
+    check_arguments(args)
+    claim_output_dir(args, auto)
+
+
+def report_error(kind, error, traceback):
+    """sys.excepthook: a ScriptError is one line from the first process, exit 2 everywhere;
+    any other error keeps its traceback."""
+    if not isinstance(error, ScriptError):
+        return sys.__excepthook__(kind, error, traceback)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{os.path.basename(sys.argv[0])}: error: {' '.join(str(error).split())}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)
+
+
+# numeric arguments that cannot be meant outside these ranges: (flags, what they must be, the check)
+ARGUMENT_RULES = [
+    (["num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size",
+      "log_every", "max_prompt_length", "max_completion_length", "num_mini_batches", "num_iterations", "num_ppo_epochs",
+      "local_rollout_forward_batch_size", "kl_horizon"], "at least 1", lambda v: v >= 1),
+    (["max_steps", "eval_every", "save_every", "keep_last"], "-1 (off) or at least 1", lambda v: v == -1 or v >= 1),
+    (["learning_rate", "adam_epsilon", "temperature", "kl_target"], "above 0", lambda v: v > 0),
+    (["weight_decay", "max_grad_norm", "skip_nonfinite", "beta", "epsilon", "epsilon_high", "rpo_alpha",
+      "missing_eos_penalty", "kl_coef", "cliprange", "cliprange_value", "vf_coef"], "0 or more", lambda v: v >= 0),
+    (["warmup_ratio", "gamma", "lam"], "in [0, 1]", lambda v: 0 <= v <= 1),
+    (["label_smoothing"], "in [0, 0.5)", lambda v: 0 <= v < 0.5),
+]
+
+
+def check_arguments(args):
+    """Refuse a numeric argument that cannot be meant (a batch size of 0, a negative --beta...)."""
+    for names, allowed, check in ARGUMENT_RULES:
+        for name in [name for name in names if getattr(args, name, None) is not None]:
+            if not check(getattr(args, name)):
+                raise ScriptError(f"--{name} {getattr(args, name)}: must be {allowed}")
+
+
+RUN_FILES = ("metrics.jsonl", "checkpoints", "model.safetensors", "model.safetensors.index.json")  # a run's own
+
+
+OUTPUT_DIR_LOCK = []  # the first process's open output_dir/.lock while the run lives
+
+
+def claim_output_dir(args, auto):
+    """The first process claims output_dir; every process must read its token (all write there)."""
+    verdict = [None, f"{os.uname().nodename} {os.getpid()} {time.time()}"]
+    if dist.get_rank() == 0:
+        verdict[0] = output_dir_verdict(args, auto, verdict[1])
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise ScriptError(verdict[0])
+    lock, views = os.path.join(args.output_dir, ".lock"), [None] * dist.get_world_size()
+    dist.all_gather_object(views, (os.uname().nodename, os.path.exists(lock) and open(lock).read() == verdict[1]))
+    if not all(same for _, same in views):
+        raise ScriptError(f"--output_dir {args.output_dir} on {sorted({n for n, same in views if not same})} is not "
+                          "the first process's: give one all nodes share")
+
+
+def output_dir_verdict(args, auto, token):
+    """The first process's refusal or None: a flock for the run's life keeps a second run out;
+    another run's folder is refused unless continued or --overwrite_output_dir."""
     try:
-        dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=f"{path}.tmp")
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        extra = {"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state}
-        torch.save(extra, f"{path}.tmp/rank{rank}.pt")
-        dist.barrier()
-        if rank == 0:
-            files = {name: os.path.getsize(os.path.join(f"{path}.tmp", name)) for name in os.listdir(f"{path}.tmp")}
-            with open(f"{path}.tmp/checkpoint.json", "w") as f:
-                json.dump({"step": step, "args": vars(args), "files": files}, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            shutil.rmtree(path, ignore_errors=True)  # a run restarted into the same output_dir overwrites its old step
-            os.replace(f"{path}.tmp", path)
-    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # DCP gathers every rank's write errors in one
-        if rank == 0:
-            shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # what was written of it: room for the next try
-        cause = next(iter(e.failures.values()))[0] if isinstance(e, dcp.api.CheckpointException) else e
-        last = (complete_checkpoints(args.output_dir) or ["none"])[-1]
-        free = shutil.disk_usage(args.output_dir).free / 2**30
-        raise OSError(f"step {step}: the checkpoint {path} could not be written ({cause!r}; {free:.1f} GiB free "
-                      f"there). The latest complete checkpoint, {last}, is kept: make room, then run the same command "
-                      "with --resume_from auto") from e
-    if rank == 0:  # the new checkpoint is complete: --keep_last may drop older ones
-        for old in complete_checkpoints(args.output_dir)[: -args.keep_last] if args.keep_last > 0 else []:
-            shutil.rmtree(old)
+        os.makedirs(args.output_dir, exist_ok=True)
+        lock = open(os.path.join(args.output_dir, ".lock"), "a+")
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return f"another run is writing to --output_dir {args.output_dir}: let it finish, or choose another folder"
+    except OSError as e:
+        return f"--output_dir {args.output_dir}: {e.strerror}; give a folder"
+    lock.truncate(0)
+    lock.write(token)
+    lock.flush()
+    OUTPUT_DIR_LOCK[:] = [lock]
+    found = [name for name in RUN_FILES if os.path.exists(os.path.join(args.output_dir, name))]
+    finished = any(name.startswith("model.") for name in found)
+    if not found or args.resume_from or (auto and not finished):  # auto restarts a run stopped before a checkpoint
+        return None
+    if args.overwrite_output_dir:
+        for path in [os.path.join(args.output_dir, name) for name in found]:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        print(f"--overwrite_output_dir: removed the previous run's {', '.join(found)} from {args.output_dir}")
+        return None
+    auto = "--resume_from auto continues it, " if not finished or complete_checkpoints(args.output_dir) else ""
+    return f"--output_dir {args.output_dir} holds another run ({', '.join(found)}): {auto}--overwrite_output_dir " \
+           "replaces it, or choose another folder"
+
+
+STOP_SIGNALS = []  # signals received: request_stop appends, guard_step reads
+
+
+def request_stop(signum, frame):
+    """SIGTERM or SIGINT: checkpoint at the next step and leave (a second Ctrl-C: at once)."""
+    if signum == signal.SIGINT and STOP_SIGNALS:
+        raise KeyboardInterrupt
+    STOP_SIGNALS.append(signum)
+
+
+def guard_step(loss, grad_norm, step, args, state):
+    """One all-reduce: a non-finite loss or norm anywhere skips the update (--skip_nonfinite times),
+    a signal anywhere stops the run. Returns (update, stop)."""
+    flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(grad_norm), torch.tensor(bool(STOP_SIGNALS))]).float()
+    dist.all_reduce(flags.to(grad_norm.device), op=dist.ReduceOp.MAX)
+    bad_loss, bad_norm, stop = flags.tolist()
+    if bad_loss or bad_norm:
+        what = " and ".join(name for name, bad in [("loss", bad_loss), ("grad_norm", bad_norm)] if bad)
+        state["skipped"].append(step)
+        if len(state["skipped"]) > args.skip_nonfinite:
+            last = (complete_checkpoints(args.output_dir) or ["none (see --save_every)"])[-1]
+            raise ScriptError(f"step {step}: non-finite {what} (grad_norm {grad_norm.item()}), not applied. Last "
+                              f"complete checkpoint: {last}. Resume with a lower --learning_rate, or --skip_nonfinite")
+        if dist.get_rank() == 0:
+            print(f"step {step}: non-finite {what}: update skipped ({len(state['skipped'])} of --skip_nonfinite "
+                  f"{args.skip_nonfinite})")
+    return not (bad_loss or bad_norm), stop > 0
+
+
+def leave_after_signal(checkpoint):
+    """After a signal's checkpoint, exit with 128 + the signal."""
+    signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # it may have reached another rank only
+    if dist.get_rank() == 0:
+        print(f"stopped by {signal.Signals(signum).name}: checkpoint {checkpoint}; --resume_from auto continues")
     dist.barrier()
-    return path
+    dist.destroy_process_group()
+    sys.exit(128 + signum)
+
+
+def check_local_path(path, what, auto_class=None):
+    """A name meant as local that is not there, refused before the hub retries it for a minute."""
+    meant_local = path.startswith(("/", "./", "../", "~")) or ("/" in path and os.path.isdir(path.split("/")[0]))
+    if meant_local and not os.path.exists(os.path.expanduser(path)):
+        raise ScriptError(f"{what} {path!r}: no such file or folder (and not a hub id, owner/name)")
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+    if auto_class is AutoTokenizer and os.path.isdir(path) and not any(os.path.exists(f"{path}/{f}") for f in files):
+        raise ScriptError(f"{what} {path!r} has no tokenizer files: save the tokenizer into the model folder")
+
+
+def loading_error(auto_class, path, flag, error):
+    """Why a model or tokenizer does not load: a damaged file, no such name, or the library's reason."""
+    if isinstance(error, SafetensorError):  # e.g. "incomplete metadata, file not fully covered": a file cut short
+        return ScriptError(f"{flag} {path!r}: a weights file there is damaged ({error}); copy it again")
+    if not os.path.exists(path):
+        return ScriptError(f"{flag} {path!r}: no such folder, nor on the hub ({str(error).splitlines()[0]})")
+    return ScriptError(f"{flag} {path!r} does not load with {auto_class.__name__}: {error}")
+
+
+def check_weights(model, info, path, flag):
+    """No weight missing (HF makes it up) or left over (a reward model's head given as a causal LM)."""
+    problems = [f"no weights for {sorted(info['missing_keys'])}"] if info["missing_keys"] else []
+    problems += [f"weights {sorted(info['unexpected_keys'])} it does not use"] if info["unexpected_keys"] else []
+    if problems:
+        raise ScriptError(f"{flag} {path!r} has {' and '.join(problems)} as {type(model).__name__}: give a model of "
+                          "that kind")
+
+
+def check_tokenizer(tokenizer, args):
+    """An EOS from the tokenizer's own files (with none in its config, HF makes one up)."""
+    listed = tokenizer.init_kwargs.get("added_tokens_decoder")  # the added tokens its files define, if it says
+    for name in ("eos", "pad"):
+        token = getattr(tokenizer, f"{name}_token_id")
+        made_up = listed and token and token >= tokenizer.vocab_size and token not in listed
+        if made_up or (name == "eos" and token is None):
+            raise ScriptError(f"the tokenizer of {args.model_name_or_path} has no {name}_token"
+                              f"{' (HF made one up)' if made_up else ''}: set one in its tokenizer_config.json")
+
+
+DATASETS_METADATA = {"dataset_infos.json", "dataset_info.json", "state.json", "dataset_dict.json"}  # datasets' own
+
+
+def check_split_files(folder, splits):
+    """Every data file of a folder in a split: datasets skips files with no split word once
+    another file has one."""
+    used, skipped = {os.path.realpath(f) for files in splits.values() for f in files}, []
+    for root, folders, files in os.walk(folder):
+        folders[:] = [f for f in folders if not f.startswith((".", "__"))]  # hidden: datasets skips them too
+        skipped += [os.path.relpath(os.path.join(root, f), folder) for f in files if f.endswith(DATA_EXTENSIONS)
+                    and f not in DATASETS_METADATA and not f.startswith((".", "__"))
+                    and os.path.realpath(os.path.join(root, f)) not in used]
+    if skipped:
+        found = {split: [os.path.relpath(f, folder) for f in files] for split, files in splits.items()}
+        raise ScriptError(f"dataset folder {folder!r}: {sorted(skipped)} would be in no split (found {found}); name "
+                          "files after their split (train.jsonl)")
+
+
+def data_file_problem(path):
+    """Why a JSON or JSONL file does not load, by line, or None."""
+    raw = open(path, "rb").read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        return f"dataset file {path!r} line {line} is not UTF-8 text ({e.reason} at byte {e.start})"
+    if not text.strip():
+        return f"dataset file {path!r} is empty"
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            json.loads(line.strip() or "null")  # a blank line is no row, and no error
+        except json.JSONDecodeError as e:
+            return f"dataset file {path!r} line {number} is not valid JSON ({e.msg}, column {e.colno}): {line[:80]!r}"
+    return None
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")  # the roles of a conversation's messages
+
+
+def check_columns(dataset, args, split, tokenizer):
+    """Text, not numbers ("0457" read as 457); messages with a known role and text; no text
+    spelling a special token (it would become one: a fake turn, an early EOS)."""
+    specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special})
+    names = ["prompt", "completion", "chosen", "rejected", "messages", getattr(args, "prompt_column", "prompt"),
+             getattr(args, "answer_column", "answer")]
+    for column in [name for name in dict.fromkeys(names) if name in dataset.column_names]:
+        where = f"dataset {args.dataset_name!r}, split {split!r}, column {column!r}"
+        try:
+            values = list(dataset[column])
+        except UnicodeDecodeError as e:  # pyarrow keeps the bytes unchecked: they fail when read as text
+            raise ScriptError(os.path.isfile(args.dataset_name) and data_file_problem(args.dataset_name)
+                              or f"{where}: text that is not UTF-8 ({e.reason})") from e
+        for row, value in enumerate(values):
+            messages = value if isinstance(value, list) else []
+            bad = [m for m in messages if not isinstance(m, dict) or m.get("role") not in ROLES
+                   or not isinstance(m.get("content"), str)]
+            texts = [value] if isinstance(value, str) else [] if bad else [m["content"] for m in messages]
+            spelt = [t for t in specials for text in texts if t in text]
+            problem = ("no value (null, or missing where other rows have one)" if value is None else
+                       f"{value!r} was read as a number, not text (a CSV cell or a JSON column mixing text and "
+                       "numbers): quote it in JSON" if not isinstance(value, (str, list)) else
+                       f"message {bad[0]!r} needs a role (one of {', '.join(ROLES)}) and a text content" if bad else
+                       f"the text {spelt[0]!r} would become a special token: remove it (the chat template writes "
+                       "them)" if spelt else None)
+            if problem:
+                raise ScriptError(f"{where}, row {row}: {problem}")
+
+
+def check_splits(args, tokenizer, splits):
+    """A train split; token ids and lengths within the model's vocabulary and positions."""
+    if args.dataset_train_split not in splits:
+        raise ScriptError(f"dataset {args.dataset_name!r} has no split {args.dataset_train_split!r}: name one with "
+                          "--dataset_train_split")
+    config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    config, model = config.get_text_config(), f"the model {args.model_name_or_path!r}"
+    limit = getattr(config, "max_position_embeddings", None) or math.inf
+    for split, data in splits.items():
+        columns = [data[c] for c in ("prompt", "completion", "chosen", "rejected") if c in data]
+        top = max([max(ids) for column in columns for ids in column] + [tokenizer.eos_token_id])
+        if top >= config.vocab_size:
+            raise ScriptError(f"split {split!r} has token id {top}, past the vocab_size {config.vocab_size} of "
+                              f"{model}: the tokenizer and the model do not belong together")
+        lengths = [len(p) + max([len(c[i]) for c in columns[1:]] or [args.max_completion_length])
+                   for i, p in enumerate(columns[0])]
+        if max(lengths, default=0) > limit:
+            then = "its longest completion" if columns[1:] else f"--max_completion_length {args.max_completion_length}"
+            raise ScriptError(f"split {split!r}: {max(lengths)} tokens (a prompt and {then} new tokens) are past the "
+                              f"{limit} positions of {model}: lower --max_completion_length or --max_prompt_length")
+
+
+def check_linear_head(model, head, hidden, logits):
+    """head_logprobs needs logits linear in the last hidden state (no logit scale, no soft-capping)."""
+    with torch.no_grad():
+        difference = (torch.nn.functional.linear(hidden, head.weight, head.bias).float() - logits.float()).abs()
+    if (difference > 0.02 * (1 + logits.float().abs().max())).any():
+        raise ScriptError(f"{type(model).__name__}: its logits are not its head's linear map of its last hidden "
+                          "states (a logit scale or soft-capping?)")
+
+
+def checkpoint_error(path, step, args, error):
+    """A checkpoint not written (a full disk): its partial folder removed, the cause named."""
+    if dist.get_rank() == 0:
+        shutil.rmtree(f"{path}.tmp", ignore_errors=True)
+    cause = next(iter(error.failures.values()))[0] if isinstance(error, dcp.api.CheckpointException) else error
+    full = "no space left on device; " if shutil.disk_usage(args.output_dir).free < 2**26 else ""
+    last = (complete_checkpoints(args.output_dir) or ["none"])[-1]
+    return ScriptError(f"step {step}: the checkpoint {path} could not be written ({full}{cause!r}). The last complete "
+                       f"checkpoint, {last}, is kept: make room, then --resume_from auto")
 
 
 # arguments that may change when a run resumes: where it logs, how often, and how the same global batch is split
@@ -1339,111 +1330,49 @@ RESUMABLE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_
              "reshard_after_forward", "world_size", "local_batch_size"}
 
 
+def check_checkpoint(path, args):
+    """The manifest of a complete checkpoint of this run (every argument outside RESUMABLE the same)."""
+    manifest = complete_checkpoint(path)
+    if manifest is None:
+        raise ScriptError(f"--resume_from {path!r} is not a complete checkpoint: --resume_from auto picks the latest "
+                          "complete one")
+    mismatched = [f"{name} {manifest['args'].get(name)!r} in the checkpoint, {value!r} now"
+                  for name, value in json.loads(json.dumps(vars(args))).items()
+                  if name not in RESUMABLE and manifest["args"].get(name) != value]
+    if mismatched:
+        raise ScriptError(f"checkpoint {path} does not match the arguments: {'; '.join(mismatched)}. Resume with its "
+                          "arguments, or use another --output_dir")
+    return manifest
+
+
 class CheckpointReader(dcp.FileSystemReader):
-    """DCP's file reader, with its .metadata (a pickle) read through an allow-list: DCP's metadata classes, torch
-    sizes, dtypes and layouts, paths. And no bytes entry: DCP reads those with torch.load(weights_only=False), which
-    runs whatever the file holds; save_checkpoint writes tensors only (the rest is in json and weights_only files).
-    So loading a checkpoint cannot run code planted in it."""
+    """DCP's reader, .metadata unpickled through an allow-list with no bytes entry (DCP unpickles
+    those): a checkpoint cannot run planted code."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.read_metadata()  # here, as DCP swallows read_metadata's errors
 
     def read_metadata(self, *args, **kwargs):
-        allowed_names = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-                         ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                         ("pathlib", "WindowsPath"), ("pathlib", "Path")}
-
-        def allowed(module, name):
-            return (module == "torch.distributed.checkpoint.metadata" or (module, name) in allowed_names
-                    or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        allowed = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                   ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "Path")}
 
         class Unpickler(pickle.Unpickler):
             def find_class(self, module, name):
-                if not allowed(module, name):
-                    raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}: not a DCP "
-                                                 "metadata class")
+                if not (module == "torch.distributed.checkpoint.metadata" or (module, name) in allowed
+                        or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+                    raise ScriptError(f"checkpoint metadata refers to {module}.{name}: not a DCP metadata class")
                 return super().find_class(module, name)
 
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
             metadata = Unpickler(f).load()
-        entries = metadata.state_dict_metadata.items()
-        pickled = [key for key, entry in entries if isinstance(entry, BytesStorageMetadata)]
+        pickled = [k for k, entry in metadata.state_dict_metadata.items() if isinstance(entry, BytesStorageMetadata)]
         if pickled:
-            raise ValueError(f"checkpoint {self.path} lists a non-tensor entry ({pickled[0]}), which DCP would "
-                             "unpickle: not a checkpoint of these scripts (they save tensors only)")
+            raise ScriptError(f"checkpoint {self.path} lists a non-tensor entry ({pickled[0]}): not ours")
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
-def load_checkpoint(path, model, optimizer, scheduler, args):
-    """Restore a checkpoint of save_checkpoint, after checking that it is complete and belongs to this run: every
-    argument outside RESUMABLE must match (model, data, seed, schedule, algorithm, the global batch). The number of
-    processes may change if the global batch stays the same (DCP reshards; the per-rank RNG streams then restart).
-    Nothing is unpickled. Returns the step and the loop's own state."""
-    manifest = complete_checkpoint(path)
-    if manifest is None:
-        raise ValueError(f"--resume_from {path!r} is not a complete checkpoint (a step_N folder whose checkpoint.json "
-                         "lists files that are all there); --resume_from auto picks the latest complete one")
-    now = json.loads(json.dumps(vars(args)))
-    mismatched = [f"{name} {manifest['args'].get(name)!r} in the checkpoint, {value!r} now"
-                  for name, value in now.items() if name not in RESUMABLE and manifest["args"].get(name) != value]
-    if mismatched:
-        raise ValueError(f"checkpoint {path} does not match the arguments: {'; '.join(mismatched)}. Resume with the "
-                         "arguments it was written with (batch_size = processes x --per_device_train_batch_size x "
-                         "--gradient_accumulation_steps), or start a new run in another --output_dir")
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state["state"]}
-    reader = CheckpointReader(path)
-    reader.read_metadata()  # a refusal surfaces here: DCP itself (torch 2.11) swallows read_metadata's errors
-    dcp.load(state, storage_reader=reader)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict={"state": state["optimizer"], "param_groups": optimizer_state["param_groups"]})
-    same_processes = manifest["args"]["world_size"] == args.world_size
-    extra = torch.load(os.path.join(path, f"rank{dist.get_rank() if same_processes else 0}.pt"), weights_only=True)
-    scheduler.load_state_dict(extra["scheduler"])
-    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-        group["lr"] = lr  # the learning rate of the next step (param_groups are not in the checkpoint)
-    if same_processes:
-        torch.set_rng_state(extra["rng"]["torch"])
-        random.setstate(extra["rng"]["python"])
-        if "cuda" in extra["rng"]:
-            torch.cuda.set_rng_state(extra["rng"]["cuda"])
-    elif dist.get_rank() == 0:
-        print(f"resuming on {args.world_size} processes a run of {manifest['args']['world_size']}: same weights, "
-              "optimizer, schedule and data order; the per-process random streams (dropout) restart")
-    return extra["step"], extra["state"]
-
-
-def save_hf_model(model, tokenizer, output_dir, rank):
-    """Gather the full weights on rank 0 (a collective: every rank calls this) and write a Hugging Face folder."""
-    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    first_name = {}  # tied parameters (input embeddings = head) come back as copies: keep the first name only
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if first_name.setdefault(id(param), name) != name:
-            state_dict.pop(name, None)
-    if rank == 0:
-        model.save_pretrained(output_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(output_dir)
-
-
-def finish(model, tokenizer, args, device, rank):
-    """Write the Hugging Face folder (a collective), print the peak memory of the busiest process (GPU allocations,
-    or the CPU resident set), close wandb and the process group."""
-    save_hf_model(model, tokenizer, args.output_dir, rank)
-    on_gpu = device.type == "cuda"
-    used = torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    peak = torch.tensor(float(used), device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        print(f"saved {args.output_dir}; peak {'GPU' if on_gpu else 'CPU RSS'} memory per process "
-              f"{peak.item() / 2**30:.2f} GiB")
-        if args.track:
-            import wandb
-
-            wandb.finish()
-    dist.barrier()  # no rank tears gloo/nccl down while another still communicates (gloo can abort at exit otherwise)
-    dist.destroy_process_group()
-    while OUTPUT_DIR_LOCK:  # the folder is free for the next run
-        OUTPUT_DIR_LOCK.pop().close()
-
-
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(tyro.cli(Args, use_underscores=True, console_outputs=os.environ.get("RANK", "0") == "0"))

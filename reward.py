@@ -5,7 +5,6 @@ K-choose-2 comparisons of K ranked completions; (2) an optional `margin` column,
 -log sigmoid(r_chosen - r_rejected - margin) (Llama 2, arXiv:2307.09288); (3) after training, the scores are shifted to
 mean 0 on the training completions and the shift is saved in the model folder (--normalize_reward), so ppo.py and
 grpo.py get centred rewards.
-Read `main` first; the functions below the Infrastructure line are the same in every script and can be skipped.
 Run:  torchrun --nproc_per_node 2 reward.py --model_name_or_path runs/sft --dataset_name toy/preference \
           --output_dir runs/reward --learning_rate 1e-4 --num_train_epochs 1
       torchrun --nproc_per_node 8 reward.py --model_name_or_path runs/sft \
@@ -42,93 +41,96 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
+from tyro.conf import Suppress
 
 from adam_tf import AdamTF
 
 
 @dataclass
 class Args:
-    # common arguments: the same names and meaning in every script
+    # common arguments: the same in every script
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment (wandb run names start with it)"""
+    """the experiment's name (wandb's run name starts with it)"""
     seed: int = 1
-    """seed of the experiment (data order, initialisation, sampling)"""
+    """seed of data order, initialisation and sampling"""
     track: bool = False
-    """log to Weights and Biases (`WANDB_MODE=offline` works)"""
+    """log to Weights and Biases"""
     wandb_project_name: str = "rlhf-scripts"
-    """the wandb project name"""
+    """the wandb project"""
     wandb_entity: Optional[str] = None
     """the wandb entity (team)"""
     output_dir: str = "runs/reward"
-    """where the final Hugging Face model folder, checkpoints and metrics.jsonl are written"""
+    """the Hugging Face model folder, with checkpoints/ and metrics.jsonl"""
     overwrite_output_dir: bool = False
-    """replace a previous run in output_dir (removing its metrics, checkpoints, model), which is refused otherwise"""
+    """replace a previous run in output_dir"""
     model_name_or_path: str = "runs/sft"
-    """a hub id or a local Hugging Face model folder: the SFT model the reward model starts from"""
+    """a hub id or a local model folder: the SFT model to start from"""
     dataset_name: str = "toy/preference"
-    """a hub id, a local .json/.jsonl/.parquet/.csv file (the train split) or a local folder of such files"""
+    """a hub id, a local .json/.jsonl/.parquet/.csv file (train split), or a folder of them"""
     dataset_train_split: str = "train"
-    """the split to train on"""
+    """the split to train on, or a data file (a path, or a file of the folder by its name)"""
     dataset_test_split: str = "test"
-    """the split to evaluate on (skipped, with a message, if the dataset has none)"""
+    """the split to evaluate on, likewise"""
     max_steps: int = -1
-    """number of optimizer steps; -1: run `num_train_epochs` epochs"""
+    """optimizer steps; -1: num_train_epochs epochs"""
     num_train_epochs: int = 1
-    """passes over the training split (used when max_steps is -1)"""
+    """passes over the training split (when max_steps is -1)"""
     learning_rate: float = 1e-5
     """peak learning rate"""
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
-    """learning rate schedule after warmup (transformers.get_scheduler), stepped once per optimizer step"""
+    """the schedule after warmup (transformers.get_scheduler)"""
     warmup_ratio: float = 0.0
-    """fraction of the optimizer steps spent warming up linearly from 0"""
+    """fraction of the steps warming up linearly from 0"""
     per_device_train_batch_size: int = 8
-    """micro-batch size: samples per process per forward/backward (HF name; `local_micro_batch_size`)"""
+    """micro-batch: pairs per process per forward/backward"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step on each process"""
     per_device_eval_batch_size: int = 32
-    """samples per process per forward pass without gradients (evaluation, reference log-probs, reward scores)"""
+    """pairs per process per forward pass without gradients"""
     max_grad_norm: float = 1.0
-    """clip the global gradient norm to this value (0: no clipping, the norm is still logged)"""
+    """clip the global gradient norm (0: off)"""
     optimizer: Literal["adamw", "adam_tf"] = "adamw"
-    """adamw: torch.optim.AdamW; adam_tf: TensorFlow-style Adam (epsilon hat), see adam_tf.py"""
+    """adam_tf: TensorFlow-style Adam (adam_tf.py)"""
     adam_epsilon: float = 1e-8
-    """Adam's epsilon (lm-human-preferences used 1e-5 with adam_tf)"""
+    """Adam's epsilon"""
     weight_decay: float = 0.0
     """decoupled weight decay (adamw only)"""
     bf16: bool = True
-    """bf16 mixed precision (parameters kept in fp32) on GPU; CPU runs always compute in fp32"""
+    """bf16 compute on GPU, fp32 parameters"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
+    """recompute activations in the backward to save memory"""
     cpu_offload: bool = False
-    """keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy)"""
+    """parameters, gradients and optimizer state in CPU memory (FSDP2's CPUOffloadPolicy)"""
     reshard_after_forward: bool = True
-    """free each decoder layer's gathered parameters after its forward (least memory). False: faster, one full copy of
-    each model per process: kept until the backward (one all-gather per micro-batch instead of two; in grpo/ppo from
-    generation on); a frozen model (reference, reward) stays gathered after its first forward"""
+    """free gathered parameters after each layer's forward (False: faster, more memory)"""
     log_every: int = 10
-    """print and log metrics every this many optimizer steps"""
+    """log every this many optimizer steps"""
     eval_every: int = -1
-    """evaluate every this many optimizer steps (-1: only at the end)"""
+    """evaluate every this many steps (-1: at the end)"""
     save_every: int = -1
-    """write a resumable checkpoint every this many optimizer steps (-1: never)"""
+    """checkpoint every this many steps (-1: never)"""
     resume_from: Optional[str] = None
-    """a checkpoint folder (output_dir/checkpoints/step_N) to continue the same run from; auto: the latest complete one
-    in output_dir, if any (the same command then starts a run and continues it after a preemption)"""
+    """a checkpoint (output_dir/checkpoints/step_N) to continue; auto: the latest, if any"""
     keep_last: int = -1
     """keep only the newest N checkpoints (-1: all)"""
     skip_nonfinite: int = 0
-    """skip up to N optimizer steps whose loss or gradient norm is NaN/inf (0: the first one stops the run)"""
+    """skip up to N steps with a NaN or inf loss or gradient norm (0: the first stops the run)"""
     trust_remote_code: bool = False
-    """allow models and tokenizers whose code comes from the hub (runs that code: only for repositories you trust)"""
-    max_prompt_length: int = 512
-    """pairs whose prompt is longer than this (in tokens) are dropped, and counted in a message at start"""
-    max_completion_length: int = 1024
-    """pairs with a completion longer than this (in tokens, EOS included) are dropped, and counted in a message at
-    start"""
+    """run model and tokenizer code from the hub"""
 
-    # batch sizes, computed at start (not flags): world_size processes; local_batch_size = per_device_train_batch_size
-    # x gradient_accumulation_steps samples per process per optimizer step; batch_size = local_batch_size x world_size
-    # samples, the global batch; num_training_steps, fixed before training (the LR schedule ends exactly there)
+    # computed at start, not flags
+    world_size: Suppress[Optional[int]] = None
+    """(computed) processes"""
+    local_batch_size: Suppress[Optional[int]] = None
+    """(computed) per_device_train_batch_size x gradient_accumulation_steps"""
+    batch_size: Suppress[Optional[int]] = None
+    """(computed) world_size x local_batch_size: an optimizer step's global batch"""
+    num_training_steps: Suppress[Optional[int]] = None
+    """(computed) the run's optimizer steps"""
+    max_prompt_length: int = 512
+    """pairs whose prompt is longer (in tokens) are dropped, and counted"""
+    max_completion_length: int = 1024
+    """pairs with a longer completion (in tokens, EOS included) are dropped, and counted"""
 
     # reward modelling
     normalize_reward: bool = True
@@ -136,7 +138,7 @@ class Args:
 
 
 def bradley_terry_loss(chosen_scores, rejected_scores, margins):
-    """Per-pair -log P(chosen preferred), with P = sigmoid(r_chosen - r_rejected - margin) (Bradley-Terry, Eq. 1 of
+    """Per-pair -log P(chosen preferred), P = sigmoid(r_chosen - r_rejected - margin) (Bradley-Terry, Eq. 1 of
     arXiv:2203.02155; the margin as in Llama 2). logsigmoid is the stable form of log(1 / (1 + exp(-x)))."""
     return -F.logsigmoid(chosen_scores - rejected_scores - margins)
 
@@ -151,43 +153,36 @@ def score_pairs(model, data, rows, pad_token_id):
     return scores[: len(rows)], scores[len(rows) :], attention_mask.sum()
 
 
-def load_with_score_head(args, pad_token_id, rank):
-    """The SFT model with a one-output linear head (HF's sequence classification class). Not load_pretrained: a
-    causal LM is expected here, and its missing head is created: std 1/sqrt(hidden + 1) as in lm-human-preferences,
-    the same on every rank. Said once, in place of HF's load report on every process."""
-    hf_logger = logging.getLogger("transformers.modeling_utils")
-    not_the_report = lambda record: "LOAD REPORT" not in str(record.msg)  # noqa: E731
+def load_with_score_head(args, pad_token_id):
+    """The SFT model with a one-output linear head (HF's sequence classification class), new unless the folder has
+    one: std 1/sqrt(hidden + 1) as in lm-human-preferences, seeded, the same on every rank."""
+    path, flag = args.model_name_or_path, "--model_name_or_path"
+    check_local_path(path, flag)
     try:
-        hf_logger.addFilter(not_the_report)
         model, loading = AutoModelForSequenceClassification.from_pretrained(
-            args.model_name_or_path, num_labels=1, dtype=torch.float32, output_loading_info=True,
-            trust_remote_code=args.trust_remote_code)
+            path, num_labels=1, dtype=torch.float32, output_loading_info=True, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError, SafetensorError) as e:
-        raise ValueError(f"--model_name_or_path {args.model_name_or_path!r} does not load with "
-                         f"AutoModelForSequenceClassification: {e}") from e
-    finally:
-        hf_logger.removeFilter(not_the_report)
+        raise loading_error(AutoModelForSequenceClassification, path, flag, e) from e
     missing, new_head = set(loading["missing_keys"]) - {"score.weight"}, "score.weight" in loading["missing_keys"]
     if missing:
-        raise ValueError(f"--model_name_or_path {args.model_name_or_path!r} has no weights for {sorted(missing)}: "
-                         "give a causal LM (the SFT model) or a reward model")
+        raise ScriptError(f"{flag} {path!r} has no weights for {sorted(missing)}: give a causal LM (the SFT model) or "
+                          "a reward model")
     if new_head:
         generator = torch.Generator().manual_seed(args.seed)
         torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.score.in_features + 1), generator=generator)
-    if rank == 0:
-        print(f"score head: {'new, std 1/sqrt(hidden + 1)' if new_head else 'loaded from --model_name_or_path'}")
-        if loading["unexpected_keys"]:
-            print(f"not used from --model_name_or_path: {sorted(loading['unexpected_keys'])}")
+    if dist.get_rank() == 0:
+        print(f"score head: {'new' if new_head else 'loaded'}; not used from {flag}: {loading['unexpected_keys']}")
     model.config.pad_token_id = pad_token_id  # HF's forward refuses batches without one (its pooling is not used)
     return model
 
 
 @torch.no_grad()
-def evaluate(model, test, args, pad_token_id, rank):
+def evaluate(model, test, args, pad_token_id):
     """Mean loss and accuracy (the chosen completion scored higher) over the test pairs, each rank its share."""
     model.eval()
     totals = torch.zeros(2, device=next(model.parameters()).device)
-    for rows, valid in rank_micro_batches(len(test["prompt"]), rank, args.world_size, args.per_device_eval_batch_size):
+    for rows, valid in rank_micro_batches(len(test["prompt"]), dist.get_rank(), args.world_size,
+                                          args.per_device_eval_batch_size):
         chosen, rejected, _ = score_pairs(model, test, rows, pad_token_id)
         loss = bradley_terry_loss(chosen, rejected, chosen.new_tensor([test["margin"][i] for i in rows]))
         totals += valid * torch.stack([loss.sum(), (chosen > rejected).sum()])
@@ -198,137 +193,101 @@ def evaluate(model, test, args, pad_token_id, rank):
 
 
 @torch.no_grad()
-def normalize_scores(model, train, args, pad_token_id, rank):
+def normalize_scores(model, train, args, pad_token_id):
     """Centre the scores: mean 0 over the training completions (chosen and rejected), the shift saved as
     config.score_bias (sequence_scores adds it), so the RL scripts see rewards around 0 from the first step."""
     model.eval()
     totals = torch.zeros(2, device=next(model.parameters()).device)
-    for rows, valid in rank_micro_batches(len(train["prompt"]), rank, args.world_size, args.per_device_eval_batch_size):
+    for rows, valid in rank_micro_batches(len(train["prompt"]), dist.get_rank(), args.world_size,
+                                          args.per_device_eval_batch_size):
         chosen, rejected, _ = score_pairs(model, train, rows, pad_token_id)
         totals += valid * torch.stack([chosen.sum() + rejected.sum(), chosen.new_tensor(2.0 * len(rows))])
     dist.all_reduce(totals)
     mean = totals[0].item() / totals[1].item()
     model.config.score_bias = getattr(model.config, "score_bias", 0.0) - mean
-    if rank == 0:
-        print(f"normalize_reward: mean score of {int(totals[1].item())} training completions was {mean:.4f}; "
-              f"score_bias now {model.config.score_bias:.4f}")
+    if dist.get_rank() == 0:
+        print(f"normalize_reward: mean score {mean:.4f} over {int(totals[1].item())} training completions; score_bias "
+              f"now {model.config.score_bias:.4f}")
 
 
 def main(args):
-    # 1. distributed init, computed batch sizes, seeds, signal handlers (setup, in the appendix)
+    # 1. distributed init, batch sizes, seeds, the guards
     rank, world_size, device = setup(args)
 
     # 2. data: every rank tokenises the same rows, so each knows the whole global batch
     tokenizer, pad_token_id = load_tokenizer(args)
-    train, test, dropped = load_data(args, tokenizer, tokenize_preference, rank)
-    epochs_of(len(train["prompt"]), args, dropped, rank)  # sets args.num_training_steps
+    train, test, dropped = load_data(args, tokenizer, tokenize_preference)
+    epochs_of(len(train["prompt"]), args, dropped)
 
     # 3. model + FSDP2: the SFT model with a score head, no dropout
-    model = load_with_score_head(args, pad_token_id, rank)
+    model = load_with_score_head(args, pad_token_id)
     disable_dropout(model)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = shard_model(model, args, device)
 
-    # 4. optimizer and LR schedule, its total fixed now (or both restored by --resume_from)
+    # 4. optimizer and LR schedule (or both restored by --resume_from)
     optimizer, scheduler, start_step, state = make_optimizer(model, args)
-    metrics_path = open_metrics(args, start_step, rank)
+    metrics_path, progress = open_metrics(args, start_step)
 
     # 5. training loop
     model.train()
-    progress = tqdm(total=args.num_training_steps, initial=start_step, disable=rank != 0, desc="reward")
-    stop = False  # a SIGTERM/SIGINT seen at an optimizer step (a resumed run may have no step left)
-    tokens, window_start = torch.zeros((), device=device), time.time()
-    for step in range(start_step, args.num_training_steps):
-        batch = global_batch(step, len(train["prompt"]), args.batch_size, args.seed)
-        last = collections.defaultdict(lambda: torch.zeros((), device=device))  # this step, this rank's part
-        for micro in micro_batches(batch, args, rank):
-            chosen, rejected, micro_tokens = score_pairs(model, train, micro, pad_token_id)
+    sums = collections.defaultdict(lambda: torch.zeros((), device=device))  # this rank's, since the last log line
+    logged, window_start = start_step, time.time()
+    for step in range(start_step + 1, args.num_training_steps + 1):
+        batch = global_batch(step - 1, len(train["prompt"]), args.batch_size, args.seed)
+        step_loss = 0.0  # this rank's share of the global mean
+        for micro in micro_batches(batch, args):
+            chosen, rejected, tokens = score_pairs(model, train, micro, pad_token_id)
             margins = chosen.new_tensor([train["margin"][i] for i in micro])
             # ALGO LOGIC: the mean over the global batch of pairs, whatever the split (each part divided by its size)
             loss = bradley_terry_loss(chosen, rejected, margins).sum() / args.batch_size
             loss.backward()
-            last["loss"] += loss.detach()
+            step_loss += loss.detach()
             pairs = {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/margins": chosen - rejected,
                      "rewards/accuracies": (chosen > rejected).float()}
             for name, values in pairs.items():  # means over the global batch
-                last[name] += values.detach().sum() / args.batch_size
-            tokens += micro_tokens
-        done = step + 1
-        lr, grad_norm, stop = optimizer_step(model, optimizer, scheduler, last["loss"], done, args, state["skipped"])
+                sums[name] += values.detach().sum() / args.batch_size
+            sums["tokens"] += tokens
+        lr, grad_norm, stop = optimizer_step(model, optimizer, scheduler, step_loss, step, args, state)
+        sums["loss"] += step_loss
         progress.update(1)
-        if is_due(done, args.log_every, args) or is_due(done, args.eval_every, args):
-            totals = reduce_sums({**last, "tokens": tokens})  # the last step's statistics, the window's tokens
-            metrics = {"step": done, "episode": done * args.batch_size, "lr": lr, "grad_norm": grad_norm.item(),
-                       "tokens_per_second": totals.pop("tokens") / (time.time() - window_start), **totals}
-            if is_due(done, args.eval_every, args) and test and test["prompt"]:
-                metrics.update(evaluate(model, test, args, pad_token_id, rank))
-            log_metrics(metrics, metrics_path, args, progress, rank)
-            tokens, window_start = torch.zeros((), device=device), time.time()
-        if (args.save_every > 0 and done % args.save_every == 0) or stop:
-            checkpoint = save_checkpoint(model, optimizer, scheduler, done, args, state)
-        if stop:
-            break
-    progress.close()
-    if stop:
-        leave_after_signal(checkpoint, rank)
+        if is_due(step, args.log_every, args) or is_due(step, args.eval_every, args):
+            w, steps = reduce_sums(sums), step - logged  # each metric: the mean over the steps since the last line
+            metrics = {"step": step, "episode": step * args.batch_size, "lr": lr, "grad_norm": grad_norm.item(),
+                       "tokens_per_second": w.pop("tokens") / (time.time() - window_start)}
+            metrics |= {name: value / steps for name, value in w.items()}
+            if is_due(step, args.eval_every, args) and test:
+                metrics.update(evaluate(model, test, args, pad_token_id))
+            log_metrics(metrics, metrics_path, args, progress)
+            sums, logged, window_start = collections.defaultdict(sums.default_factory), step, time.time()
+        if stop or (args.save_every > 0 and step % args.save_every == 0):
+            folder = save_checkpoint(model, optimizer, scheduler, step, args, state)
+            if stop:  # a SIGTERM or SIGINT: the checkpoint is written
+                leave_after_signal(folder)
 
     # 6. centre the scores (--normalize_reward), save the Hugging Face folder; report the peak memory
     if args.normalize_reward:
-        normalize_scores(model, train, args, pad_token_id, rank)
-    finish(model, tokenizer, args, device, rank)
+        normalize_scores(model, train, args, pad_token_id)
+    finish(model, tokenizer, args, device)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Infrastructure: identical in every script that has it (tests/test_consistency.py). Skip it on a first read.
-# ---------------------------------------------------------------------------------------------------------------------
-# numeric arguments that cannot be meant outside these ranges: (flags, what they must be, the check); a script
-# without the flag skips it
-ARGUMENT_RULES = [
-    (["num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size",
-      "log_every", "max_prompt_length", "max_completion_length", "num_mini_batches", "num_iterations", "num_ppo_epochs",
-      "local_rollout_forward_batch_size", "kl_horizon"], "at least 1", lambda v: v >= 1),
-    (["max_steps", "eval_every", "save_every", "keep_last"], "-1 (off) or at least 1", lambda v: v == -1 or v >= 1),
-    (["learning_rate", "adam_epsilon", "temperature", "kl_target"], "above 0", lambda v: v > 0),
-    (["weight_decay", "max_grad_norm", "skip_nonfinite", "beta", "epsilon", "epsilon_high", "rpo_alpha",
-      "missing_eos_penalty", "kl_coef", "cliprange", "cliprange_value", "vf_coef"], "0 or more", lambda v: v >= 0),
-    (["warmup_ratio", "gamma", "lam"], "in [0, 1]", lambda v: 0 <= v <= 1),
-    (["label_smoothing"], "in [0, 0.5)", lambda v: 0 <= v < 0.5),
-]
-
-
-def check_arguments(args):
-    """Refuse a numeric argument that cannot be meant (a batch size of 0, --max_steps 0, a negative --beta...),
-    naming the flag, before anything is loaded."""
-    for names, allowed, check in ARGUMENT_RULES:
-        for name in names:
-            value = getattr(args, name, None)
-            if value is not None and not check(value):
-                raise ValueError(f"--{name} {value}: must be {allowed}")
-
-
 def setup(args):
-    """The arguments checked (check_arguments); distributed init (torchrun sets RANK and WORLD_SIZE; `python
-    script.py` is world size 1 on the same code path); SIGTERM/SIGINT handlers; --resume_from auto; the computed
-    batch sizes, the seeds and the output folder. Returns rank, world size, device. TRY NOT TO MODIFY: each rank
-    seeds its own stream (dropout); the data order and the sampling use generators of their own, seeded by step."""
-    check_arguments(args)
+    """Distributed init (one process under plain `python`), the guards, batch sizes, seeds."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" in os.environ:
-        dist.init_process_group(backend)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    alone = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    dist.init_process_group(backend, **alone)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    signal.signal(signal.SIGTERM, request_stop)  # preemption: checkpoint at the next optimizer step, then leave
-    signal.signal(signal.SIGINT, request_stop)
-    auto = args.resume_from == "auto"
-    if auto:  # the latest complete checkpoint; None: nothing to continue, start at step 0
-        args.resume_from = (complete_checkpoints(args.output_dir) or [None])[-1]
-    claim_output_dir(args, rank, auto)
+    auto, latest = args.resume_from == "auto", [(complete_checkpoints(args.output_dir) or [None])[-1]]
+    dist.broadcast_object_list(latest, src=0)  # the first process's view: the same for all
+    args.resume_from = latest[0] if auto else args.resume_from
+    guard_run(args, auto)
     args.world_size = world_size
     args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.batch_size = args.local_batch_size * world_size
@@ -337,356 +296,160 @@ def setup(args):
     return rank, world_size, device
 
 
-RUN_FILES = ("metrics.jsonl", "checkpoints", "model.safetensors", "model.safetensors.index.json")  # a run's own
-OUTPUT_DIR_LOCK = []  # rank 0's open output_dir/.lock while the run lives
+def load_tokenizer(args):
+    """The policy's tokenizer and pad id (EOS if none: masks come from lengths)."""
+    tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
+    check_tokenizer(tokenizer, args)
+    return tokenizer, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def claim_output_dir(args, rank, auto):
-    """Rank 0 holds an exclusive flock on output_dir/.lock for the whole run (the system drops it when the process
-    ends, however it ends): a second live run on the same folder is refused. A folder holding another run (RUN_FILES)
-    is refused too, unless this run continues it (--resume_from, or auto restarting a run stopped before its first
-    checkpoint and model) or --overwrite_output_dir, which removes that run's files first. Every rank raises rank 0's
-    verdict (a collective), before anything is loaded."""
-    verdict = [None]
-    if rank == 0:
-        os.makedirs(args.output_dir, exist_ok=True)
-        lock = open(os.path.join(args.output_dir, ".lock"), "w")
-        found = [name for name in RUN_FILES if os.path.exists(os.path.join(args.output_dir, name))]
-        finished = any(name.startswith("model.") for name in found)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            OUTPUT_DIR_LOCK[:] = [lock]
-        except OSError:
-            verdict[0] = (f"another run is writing to --output_dir {args.output_dir} (it holds {lock.name}): let it "
-                          "finish, stop it, or choose another folder")
-        if verdict[0] is None and found and args.resume_from is None and args.overwrite_output_dir:
-            for name in found:
-                path = os.path.join(args.output_dir, name)
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-            print(f"--overwrite_output_dir: removed the previous run's {', '.join(found)} from {args.output_dir}")
-        elif verdict[0] is None and found and args.resume_from is None and (finished or not auto):
-            verdict[0] = (f"--output_dir {args.output_dir} holds another run ({', '.join(found)}), which this one "
-                          "does not continue: --resume_from auto continues it from its latest checkpoint, "
-                          "--overwrite_output_dir replaces it, or choose another folder")
-    dist.broadcast_object_list(verdict, src=0)
-    if verdict[0]:
-        raise ValueError(verdict[0])
-
-
-def missing_local_path(path):
-    """A name meant as a local file or folder that is not there: an absolute or ./ path, or one whose first folder is
-    here (runs/sft, with runs/ here). Such a name is not sent to the hub, where it would be retried for a minute."""
-    first = path.split("/")[0]
-    meant_local = path.startswith(("/", "./", "../", "~")) or ("/" in path and os.path.isdir(first))
-    return meant_local and not os.path.exists(os.path.expanduser(path))
-
-
-def data_file_problem(path):
-    """Why a local JSON/JSONL file did not load, by line (datasets' own error does not say where): empty, not UTF-8,
-    or a line that is not JSON. None when none of these is the cause."""
-    raw = open(path, "rb").read()
-    if not raw.strip():
-        return f"dataset file {path!r} is empty"
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        return f"dataset file {path!r} line {line} is not UTF-8 text ({e.reason} at byte {e.start})"
-    try:
-        json.loads(text)  # one JSON document is a valid file too
-        return None
-    except json.JSONDecodeError:
-        pass
-    for number, line in enumerate(text.splitlines(), 1):
-        try:
-            json.loads(line.strip() or "null")  # a blank line is no row, and no error
-        except json.JSONDecodeError as e:
-            return f"dataset file {path!r} line {number} is not valid JSON ({e.msg}, column {e.colno}): {line[:80]!r}"
-    return None
-
-
-def load_split(name, split):
-    """A split of a hub dataset, a local dataset folder, or a local file (a single file is the train split).
-    Returns None when there is no such split."""
-    if os.path.isfile(name):
-        builders = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}
-        extension = name.rsplit(".", 1)[-1]
-        if extension not in builders:
-            raise ValueError(f"dataset file {name!r}: unknown format .{extension}; give a .json, .jsonl, .parquet or "
-                             ".csv file, a folder of them, or a hub id")
-        if split != "train":
-            return None
-        try:
-            return datasets.load_dataset(builders[extension], data_files=name, split="train")
-        except Exception as e:  # datasets' own errors name neither the line nor the cause
-            problem = data_file_problem(name) if builders[extension] == "json" else None
-            raise ValueError(problem or f"dataset file {name!r} does not load: {e!r}") from e
-    if os.path.isfile(os.path.join(name, "dataset_dict.json")):  # a DatasetDict written by save_to_disk
-        dataset_dict = datasets.load_from_disk(name)
-        return dataset_dict[split] if split in dataset_dict else None
-    if missing_local_path(name):
-        raise ValueError(f"dataset {name!r}: no such file or folder (a hub id is owner/name, with no local folder of "
-                         "that name)")
-    if os.path.isdir(name):
-        check_split_files(name)
-    try:
-        return datasets.load_dataset(name, split=split)
-    except ValueError as e:
-        if "Unknown split" in str(e):
-            return None
-        raise
-    except FileNotFoundError as e:
-        raise ValueError(f"dataset {name!r} is neither a local file or folder of data files nor a dataset on the hub: "
-                         f"{e}") from e
+def load_data(args, tokenizer, tokenize):
+    """Train and test splits, tokenised, whole on every rank."""
+    splits = {}
+    for split in (args.dataset_train_split, args.dataset_test_split):
+        dataset = load_split(args.dataset_name, split)
+        if dataset is not None:
+            check_columns(dataset, args, split, tokenizer)
+            splits[split] = (*tokenize(dataset, tokenizer, args), len(dataset))
+    check_splits(args, tokenizer, {split: data for split, (data, _, _) in splits.items()})
+    (train, dropped, size), test = splits[args.dataset_train_split], splits.get(args.dataset_test_split, [None])[0]
+    if dist.get_rank() == 0:
+        print(f"train: {len(train['prompt'])} of {size} rows kept; dropped: {dropped}; eval: "
+              + (f"{len(test['prompt'])} rows" if test else f"no split {args.dataset_test_split!r}"))
+    return train, test if test and test["prompt"] else None, dropped
 
 
 DATA_EXTENSIONS = tuple(kind + packing for kind in (".json", ".jsonl", ".parquet", ".csv")
                         for packing in ("", ".gz", ".bz2", ".xz", ".zst"))  # datasets reads them compressed too
-DATASETS_METADATA = {"dataset_infos.json", "dataset_info.json", "state.json", "dataset_dict.json"}  # datasets' own
 
 
-def check_split_files(folder):
-    """Every data file of a local folder must land in a split. datasets names a split after a word in a file or folder
-    name (train; test or eval; validation or dev) and, once one name has such a word, silently skips the files whose
-    names have none (with none at all, every file is train)."""
-    splits = {str(split): files for split, files in datasets.load_dataset_builder(folder).config.data_files.items()}
-    used, skipped = {os.path.realpath(f) for files in splits.values() for f in files}, []
-    for root, folders, files in os.walk(folder):
-        folders[:] = [f for f in folders if not f.startswith((".", "__"))]  # hidden: datasets skips them too
-        paths = [os.path.join(root, f) for f in files if f.endswith(DATA_EXTENSIONS) and f not in DATASETS_METADATA
-                 and not f.startswith((".", "__"))]
-        skipped += [os.path.relpath(p, folder) for p in paths if os.path.realpath(p) not in used]
-    if skipped:
-        found = "; ".join(f"{split}: {[os.path.relpath(f, folder) for f in files]}" for split, files in splits.items())
-        raise ValueError(f"dataset folder {folder!r}: {sorted(skipped)} would be in no split (found {found}). A split "
-                         "is named after a word in the file or folder name (train; test or eval; validation or dev): "
-                         "rename the files, e.g. train.jsonl and test.jsonl")
-
-
-def load_pretrained(auto_class, path, args, flag):
-    """auto_class.from_pretrained(path), stopping with a message that names the flag when `path` is not such a model
-    or tokenizer, or when the model lacks weights (a causal LM given as a reward model would get a random score head:
-    HF only warns). Code from the hub runs only with --trust_remote_code."""
-    if missing_local_path(path):
-        raise ValueError(f"{flag} {path!r}: no such folder (a hub id is owner/name, with no local folder of that name)")
-    from safetensors import SafetensorError  # the error of a damaged weights file (transformers' format)
-
-    model_kwargs = {} if auto_class is AutoTokenizer else {"dtype": torch.float32, "output_loading_info": True}
+def load_split(name, split):
+    """A split of a hub dataset, folder or file (its train split), or None; a split may name a file."""
+    check_local_path(name, "dataset")
+    if split.endswith(DATA_EXTENSIONS) and os.path.isfile(split):
+        return load_file(split)
+    if os.path.isfile(name):
+        return load_file(name) if split == "train" else None
+    if os.path.isfile(os.path.join(name, "dataset_dict.json")):
+        return datasets.load_from_disk(name).get(split)
+    files = folder_splits(name) if os.path.isdir(name) else {}
+    if files and split not in files:
+        named = sorted(f for f in os.listdir(name) if f.endswith(DATA_EXTENSIONS) and f.split(".")[0] == split)
+        return load_file(os.path.join(name, named[0])) if named else None
     try:
-        loaded = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **model_kwargs)
-    except SafetensorError as e:  # e.g. "incomplete metadata, file not fully covered": a file cut short
-        raise ValueError(f"{flag} {path!r}: a weights file there is damaged ({e}); copy or download it again") from e
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{flag} {path!r} does not load with {auto_class.__name__}: {e}") from e
-    if auto_class is AutoTokenizer:
-        return loaded
-    model, info = loaded
-    if info["missing_keys"]:
-        raise ValueError(f"{flag} {path!r} has no weights for {sorted(info['missing_keys'])} as "
-                         f"{type(model).__name__}: give a model of that kind (a reward model: the output folder of "
-                         "reward.py)")
-    return model
+        return datasets.load_dataset(name, split=split)
+    except ValueError as e:
+        if "Unknown split" not in str(e):
+            raise
+    except datasets.exceptions.DatasetGenerationError as e:  # the files of one split differ in their columns
+        names = [os.path.basename(f) for f in files.get(split, [])]
+        raise ScriptError(f"dataset {name!r}, split {split!r} {names} does not load ({e.__cause__ or e}): name one "
+                          "file as the split (its name without extension)") from e
+    except FileNotFoundError as e:
+        raise ScriptError(f"dataset {name!r}: no such file or folder, nor on the hub ({e})") from e
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
-ID_COLUMNS = ("prompt", "completion", "chosen", "rejected")  # the token-id columns; the others (answer) are text
+def load_file(path):
+    """A local .json/.jsonl/.parquet/.csv file as a dataset."""
+    builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(path.split(".")[-1])
+    if builder is None:
+        raise ScriptError(f"dataset file {path!r}: unknown format; give a .json, .jsonl, .parquet or .csv file")
+    try:
+        return datasets.load_dataset(builder, data_files=path, split="train")
+    except Exception as e:
+        raise ScriptError(builder == "json" and data_file_problem(path) or f"dataset {path!r}: {e!r}") from e
 
 
-def check_model_limits(args, tokenizer, splits):
-    """Token ids against the model's vocabulary and lengths against its positions, from its config, before the model
-    loads: past either, the embedding lookup fails mid-run (IndexError) or generate does. A sequence is a prompt and its
-    longest completion; for prompts alone (grpo, ppo), the prompt and --max_completion_length new tokens."""
-    config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
-    config, model = config.get_text_config(), f"the model {args.model_name_or_path!r}"
-    special = {"eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id}
-    for name, token_id in special.items():
-        if token_id is not None and token_id >= config.vocab_size:
-            raise ValueError(f"the tokenizer's {name} token id {token_id} is past the vocab_size {config.vocab_size} "
-                             f"of {model}: the tokenizer and the model do not belong together")
-    limit = getattr(config, "max_position_embeddings", None)
-    for split, data in splits.items():
-        columns = [data[c] for c in ID_COLUMNS if data and c in data]
-        top = max((max(ids) for column in columns for ids in column if ids), default=0)
-        if top >= config.vocab_size:
-            raise ValueError(f"split {split!r} has token id {top}, past the vocab_size {config.vocab_size} of "
-                             f"{model}: the tokenizer and the model do not belong together")
-        completions, generated = columns[1:], f"--max_completion_length {args.max_completion_length} new tokens"
-        lengths = [len(prompt) + (max(len(c[i]) for c in completions) if completions else args.max_completion_length)
-                   for i, prompt in enumerate(columns[0] if columns else [])]
-        if limit and lengths and max(lengths) > limit:
-            prompt = tokenizer.decode(columns[0][lengths.index(max(lengths))])[:60]
-            raise ValueError(f"split {split!r}: {max(lengths)} tokens (the prompt {prompt!r}, then "
-                             f"{'its longest completion' if completions else generated}), past the {limit} positions "
-                             f"of {model} (max_position_embeddings): lower --max_completion_length or "
-                             "--max_prompt_length (longer rows are dropped)")
-
-
-def load_tokenizer(args):
-    """The tokenizer of --model_name_or_path and the pad token id (its EOS when it has no pad token)."""
-    path = args.model_name_or_path
-    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
-        raise ValueError(f"--model_name_or_path {path!r} has no tokenizer files (one of "
-                         f"{', '.join(TOKENIZER_FILES)}): save the tokenizer into the model folder")
-    tokenizer = load_pretrained(AutoTokenizer, path, args, "--model_name_or_path")
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"the tokenizer of {args.model_name_or_path} has no eos_token: completions could never end")
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return tokenizer, pad_token_id
-
-
-ROLES = ("system", "developer", "user", "assistant", "tool")  # the roles of a conversation's messages
-
-
-def check_text_columns(dataset, args, split):
-    """The columns the scripts read as text must have been read as text. A CSV cell, or a JSON value in a column
-    that mixes strings and numbers, that looks like a number comes back as one: "0457" becomes 457, and a verifier
-    then scores the right answer 0. Conversations (lists of messages) are the other form a column may take; each
-    message needs a known role and a text content, and no row may lack a column the others have."""
-    for column in ["prompt", "completion", "chosen", "rejected", "messages", getattr(args, "answer_column", "answer")]:
-        feature = dataset.features.get(column)
-        if feature is None:
-            continue
-        where = f"dataset {args.dataset_name!r}, split {split!r}"
-        try:
-            values = list(dataset[column])
-        except UnicodeDecodeError as e:  # pyarrow keeps the bytes unchecked: they fail when read as text
-            problem = data_file_problem(args.dataset_name) if args.dataset_name.endswith((".json", ".jsonl")) else None
-            raise ValueError(problem or f"{where}, column {column!r}: text that is not UTF-8 ({e.reason})") from e
-        for row, value in enumerate(values):  # a row without it, or a conversation with a malformed message
-            if value is None:
-                raise ValueError(f"{where}, row {row}: no {column!r} (every row needs the same columns: rows of "
-                                 "prompt/completion and rows of messages cannot be mixed)")
-            bad = [m for m in value if not isinstance(m, dict) or m.get("role") not in ROLES
-                   or not isinstance(m.get("content"), str)] if isinstance(value, list) else []
-            if bad:
-                raise ValueError(f"{where}, row {row}, column {column!r}: message {bad[0]!r} needs a role (one of "
-                                 f"{', '.join(ROLES)}) and a text content")
-        if isinstance(feature, (list, datasets.List, datasets.LargeList, datasets.Sequence)):
-            continue
-        if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
-            continue
-        kind = feature.dtype if isinstance(feature, datasets.Value) else "mixed (text and numbers)"
-        raise ValueError(f"dataset {args.dataset_name!r}, split {split!r}: column {column!r} was read as {kind}, not "
-                         f"text (first row: {dataset[0][column]!r}); a number loses its leading zeros ('0457' -> 457). "
-                         "Store the column as text: quoted strings in JSON/JSONL, a string column in parquet (a CSV "
-                         "cell that looks like a number is always read as one)")
-
-
-def load_data(args, tokenizer, tokenize, rank):
-    """The train and test splits of --dataset_name through tokenize(dataset, tokenizer, args) -> (columns, dropped).
-    Every rank holds all of it, so each knows the whole global batch. Returns train, test (None: no such split) and
-    the train split's dropped rows by reason."""
-    train_dataset = load_split(args.dataset_name, args.dataset_train_split)
-    if train_dataset is None:
-        raise ValueError(f"dataset {args.dataset_name!r} has no split {args.dataset_train_split!r}: give another "
-                         "with --dataset_train_split (a data folder's splits are named after its files, e.g. "
-                         "train.jsonl and test.jsonl)")
-    check_text_columns(train_dataset, args, args.dataset_train_split)
-    train, dropped = tokenize(train_dataset, tokenizer, args)
-    eval_dataset = load_split(args.dataset_name, args.dataset_test_split)
-    if eval_dataset:
-        check_text_columns(eval_dataset, args, args.dataset_test_split)
-    test = tokenize(eval_dataset, tokenizer, args)[0] if eval_dataset else None
-    check_model_limits(args, tokenizer, {args.dataset_train_split: train, args.dataset_test_split: test})
-    if rank == 0:
-        print(f"train: {len(train['prompt'])} of {len(train_dataset)} rows kept; dropped: {dropped}")
-        print(f"eval: {len(test['prompt'])} rows" if test else f"no split {args.dataset_test_split!r}: eval skipped")
-    return train, test, dropped
+def folder_splits(folder):
+    """The data files of each split of a local folder, as datasets finds them."""
+    splits = {str(k): list(v) for k, v in datasets.load_dataset_builder(folder).config.data_files.items()}
+    check_split_files(folder, splits)
+    return splits
 
 
 def tokenize_prompt_completion(tokenizer, prompt, completion):
-    """Token ids of a prompt and of its completion, EOS appended to the completion unless already there.
-    Standard format: two strings. Conversational format: two lists of {"role", "content"} messages, rendered with
-    the tokenizer's chat template (the completion is what the template adds after the generation prompt)."""
+    """Prompt and completion ids (EOS appended unless there), from strings or messages
+    (the completion: what the chat template adds after the generation prompt)."""
     if isinstance(prompt, str):
         prompt_ids = tokenizer(prompt)["input_ids"]  # special tokens (BOS) as the tokenizer adds them
     else:
         prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         full_text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
         if not full_text.startswith(prompt_text):
-            raise ValueError("the chat template renders the conversation without its prompt as a prefix")
+            raise ScriptError("the chat template does not render the prompt as the start of the conversation")
         completion = full_text[len(prompt_text) :]
         prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]  # the template has them
     completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
-    # a chat template ends the turn itself, sometimes with text after EOS (Qwen: "<|im_end|>\n"): no second EOS then
+    # a template ends the turn itself, sometimes with text after EOS (Qwen: "<|im_end|>\n"): no second EOS then
     eos = tokenizer.eos_token_id
-    ended = eos in completion_ids if not isinstance(prompt, str) else completion_ids[-1:] == [eos]
-    if not ended:
+    if not (eos in completion_ids if not isinstance(prompt, str) else completion_ids[-1:] == [eos]):
         completion_ids = completion_ids + [eos]
     return prompt_ids, completion_ids
 
 
 def tokenize_preference(dataset, tokenizer, args):
-    """Rows of prompt/chosen/rejected (strings or message lists; without a prompt column, conversations whose shared
-    opening is the prompt) -> {"prompt", "chosen", "rejected", "margin"} lists of token ids (margin: the optional
-    column, else 0). Empty completions and over-long rows are dropped and counted, never silently."""
+    """prompt/chosen/rejected rows (or two conversations differing in their last message) ->
+    ids and margins; empty, over-long and identical pairs dropped and counted."""
     columns = dataset.column_names
     if "chosen" not in columns or "rejected" not in columns:
-        raise ValueError(
-            f"dataset {args.dataset_name!r} has columns {columns}, but preference data needs 'chosen' and 'rejected' "
-            "columns, with 'prompt' (standard: strings; conversational: lists of {'role', 'content'} messages) or "
-            "without it (conversational only: the messages before the last one are the prompt)"
-        )
+        raise ScriptError(f"dataset {args.dataset_name!r} has columns {columns}: preference data needs 'chosen' and "
+                          "'rejected' columns")
     prompts = dataset["prompt"] if "prompt" in columns else [None] * len(dataset)
     margins = dataset["margin"] if "margin" in columns else [0.0] * len(dataset)
     data = {"prompt": [], "chosen": [], "rejected": [], "margin": []}
-    dropped = {"empty completion": 0, "prompt too long": 0, "completion too long": 0}
+    dropped = dict.fromkeys(["empty completion", "prompt too long", "completion too long", "empty prompt",
+                             "chosen equals rejected"], 0)
     for prompt, chosen, rejected, margin in zip(prompts, dataset["chosen"], dataset["rejected"], margins):
-        if prompt is None:  # implicit prompt (e.g. trl-lib/ultrafeedback_binarized)
+        if prompt is None:  # implicit prompt (trl-lib/ultrafeedback_binarized)
             if isinstance(chosen, str) or chosen[:-1] != rejected[:-1]:
-                raise ValueError(f"dataset {args.dataset_name!r} has no 'prompt' column and its chosen/rejected are "
-                                 "not two conversations that differ only in their last message")
+                raise ScriptError(f"dataset {args.dataset_name!r} has no 'prompt' column, and its chosen/rejected "
+                                  "are not conversations that differ only in their last message")
             prompt, chosen, rejected = chosen[:-1], chosen[-1:], rejected[-1:]
         if any(not c if isinstance(c, str) else not c or not c[-1]["content"] for c in (chosen, rejected)):
             dropped["empty completion"] += 1
             continue
         prompt_ids, chosen_ids = tokenize_prompt_completion(tokenizer, prompt, chosen)
-        _, rejected_ids = tokenize_prompt_completion(tokenizer, prompt, rejected)
-        if len(prompt_ids) > args.max_prompt_length:
-            dropped["prompt too long"] += 1
-        elif max(len(chosen_ids), len(rejected_ids)) > args.max_completion_length:
-            dropped["completion too long"] += 1
-        else:
-            for key, value in zip(data, (prompt_ids, chosen_ids, rejected_ids, float(margin))):
-                data[key].append(value)
+        rejected_ids = tokenize_prompt_completion(tokenizer, prompt, rejected)[1]
+        reason = ("empty prompt" if not prompt_ids else "prompt too long" if len(prompt_ids) > args.max_prompt_length
+                  else "completion too long" if max(len(chosen_ids), len(rejected_ids)) > args.max_completion_length
+                  else "chosen equals rejected" if chosen_ids == rejected_ids else None)
+        if reason:
+            dropped[reason] += 1
+            continue
+        for key, value in zip(data, (prompt_ids, chosen_ids, rejected_ids, float(margin))):
+            data[key].append(value)
     return data, dropped
 
 
-def epochs_of(num_rows, args, dropped, rank):
-    """--max_steps optimizer steps, or --num_train_epochs passes of whole global batches; sets num_training_steps."""
+def epochs_of(num_rows, args, dropped):
+    """Set num_training_steps: --max_steps, or --num_train_epochs passes of whole global batches."""
     steps_per_epoch = num_rows // args.batch_size
     if steps_per_epoch == 0:
-        raise ValueError(f"{num_rows} training rows cannot fill one global batch of {args.batch_size}; dropped: "
-                         f"{dropped}. Lower the batch sizes or the number of processes, use more data, or raise "
-                         "--max_prompt_length / --max_completion_length if the rows were dropped as too long")
+        raise ScriptError(f"{num_rows} training rows (dropped: {dropped}) cannot fill a global batch of "
+                          f"{args.batch_size}: lower the batch sizes")
     args.num_training_steps = args.max_steps if args.max_steps > 0 else args.num_train_epochs * steps_per_epoch
-    if rank == 0:
-        print(f"{args.world_size} processes x {args.per_device_train_batch_size} per micro-batch x "
-              f"{args.gradient_accumulation_steps} accumulation = global batch {args.batch_size}; {steps_per_epoch} "
-              f"steps per epoch ({num_rows % args.batch_size} rows left out of each epoch, reshuffled every epoch)")
+    if dist.get_rank() == 0:
+        print(f"global batch {args.batch_size}, {steps_per_epoch} steps per epoch")
 
 
 def global_batch(step, num_rows, batch_size, seed):
-    """Row indices of global batch number `step` (of an optimizer step; of a rollout in RL scripts): the same on every
-    rank and a function of the step alone, so a resumed run sees the same data. Reshuffled every epoch; each epoch
-    leaves its remainder rows out."""
+    """Rows of global batch `step`: a function of the step alone, the same on every rank and on resume."""
     epoch, position = divmod(step, num_rows // batch_size)
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     return order[position * batch_size : (position + 1) * batch_size].tolist()
 
 
-def micro_batches(batch, args, rank):
-    """This rank's micro-batches of a global batch: gradient_accumulation_steps of per_device_train_batch_size rows,
-    the k-th starting at row (k x world_size + rank) x size, so that every split reads the same global batch."""
+def micro_batches(batch, args):
+    """This rank's micro-batches of a global batch."""
     size = args.per_device_train_batch_size
     for k in range(args.gradient_accumulation_steps):
-        start = (k * args.world_size + rank) * size
+        start = (k * args.world_size + dist.get_rank()) * size
         yield batch[start : start + size]
 
 
 def rank_micro_batches(num_rows, rank, world_size, size):
-    """This rank's share of rows 0..num_rows-1 in micro-batches of `size`, as many on every rank because each forward
-    of an FSDP model is a collective: a rank that has run out gets row 0 with valid=False, to be ignored."""
+    """This rank's share of the rows, as many micro-batches on every rank (FSDP forwards are
+    collectives): a rank out of rows gets row 0 with valid=False."""
     share = list(range(rank, num_rows, world_size))
     for start in range(0, math.ceil(num_rows / world_size), size):
         rows = share[start : start + size]
@@ -694,42 +457,37 @@ def rank_micro_batches(num_rows, rank, world_size, size):
 
 
 def pad(sequences, value, side):
-    """Pad lists of ints to one width, on the left or the right; returns a LongTensor."""
+    """Pad lists of ints to one width, on the left or the right."""
     width = max(len(s) for s in sequences)
     fill = [[value] * (width - len(s)) for s in sequences]
     return torch.tensor([f + s if side == "left" else s + f for s, f in zip(sequences, fill)], dtype=torch.long)
 
 
 def make_batch(prompts, completions, pad_token_id):
-    """[left-padded prompts | right-padded completions]. Masks come from lengths, never from pad_token_id, so the
-    completion's EOS stays in the loss when pad == eos. Returns input_ids, attention_mask, completion_mask."""
+    """[left-padded prompts | right-padded completions], masks from the lengths, never from pad_token_id
+    (EOS stays in the loss when pad == eos)."""
     ones = [[1] * len(s) for s in prompts], [[1] * len(s) for s in completions]
     input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
     completion_mask = pad(ones[1], 0, "right")
     return input_ids, torch.cat([pad(ones[0], 0, "left"), completion_mask], 1), completion_mask
 
 
-def last_token_index(attention_mask):
-    """Column of the last real token of each row, from the mask alone: right for left or right padding, and when
-    pad == eos (HF's sequence classification takes the last token != pad_token_id, which skips an EOS equal to pad)."""
-    return (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(1)
-
-
-def sequence_scores(model, input_ids, attention_mask):
-    """Reward-model score of each row at its last real token, plus the config's `score_bias` (reward.py
-    --normalize_reward; HF's decoder classification heads have no bias parameter to hold it). HF applies the head at
-    every position and pools by pad_token_id; a hook keeps the head's output for all positions and we index it."""
-    outputs = []
-    hook = model.score.register_forward_hook(lambda module, inputs, output: outputs.append(output))
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    hook.remove()
-    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    return outputs[0][rows, last_token_index(attention_mask), 0].float() + getattr(model.config, "score_bias", 0.0)
+def load_pretrained(auto_class, path, args, flag):
+    """auto_class.from_pretrained(path), a model in fp32; refused naming `flag`."""
+    check_local_path(path, flag, auto_class)
+    options = {} if auto_class is AutoTokenizer else {"dtype": torch.float32, "output_loading_info": True}
+    try:
+        loaded = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **options)
+    except (OSError, ValueError, SafetensorError) as e:
+        raise loading_error(auto_class, path, flag, e) from e
+    if auto_class is AutoTokenizer:
+        return loaded
+    check_weights(*loaded, path, flag)
+    return loaded[0]
 
 
 def disable_dropout(model):
-    """Dropout off: every dropout layer, and the attention dropout that HF models read from an attribute."""
+    """Dropout off: the passes that compare log-probs must agree."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -738,16 +496,14 @@ def disable_dropout(model):
 
 
 def shard_model(model, args, device):
-    """FSDP2: each decoder layer, then the root (embeddings, final norm, head). Gradients are summed over ranks,
-    not averaged: every loss here is already divided by a count taken over the whole global batch."""
+    """FSDP2: each decoder layer, then the root; gradients summed (each loss is a global mean already)."""
     bf16 = args.bf16 and device.type == "cuda"
     mixed = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
     policies = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)),
                 "mp_policy": MixedPrecisionPolicy(**mixed),
                 "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()}
-    layer_classes = set(model._no_split_modules or [])  # HF's name for the decoder layer classes
     for module in model.modules():
-        if type(module).__name__ in layer_classes:
+        if type(module).__name__ in (model._no_split_modules or []):  # HF's name for the decoder layer classes
             fully_shard(module, reshard_after_forward=args.reshard_after_forward, **policies)
     fully_shard(model, **policies)  # the root keeps its own default: it runs first in the backward
     for module in model.modules():
@@ -757,10 +513,24 @@ def shard_model(model, args, device):
     return model
 
 
+def last_token_index(attention_mask):
+    """Each row's last real token, from the mask (not from pad, which may equal EOS)."""
+    return (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(1)
+
+
+def sequence_scores(model, input_ids, attention_mask):
+    """Reward-model score at each row's last real token, plus the config's score_bias."""
+    outputs = []
+    hook = model.score.register_forward_hook(lambda module, inputs, output: outputs.append(output))
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    hook.remove()
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    return outputs[0][rows, last_token_index(attention_mask), 0].float() + getattr(model.config, "score_bias", 0.0)
+
+
 def make_optimizer(model, args):
-    """AdamW (fused: one kernel over all parameters; foreach over DTensors took 2-3x the time on CPU) or TF Adam; the
-    LR schedule, fixed now for num_training_steps and stepped once per optimizer step; and the step and the loop's own
-    state from --resume_from (else 0 and a fresh {"skipped": []})."""
+    """AdamW or TF-style Adam, the LR schedule, and the state --resume_from restores."""
     if args.optimizer == "adam_tf":
         optimizer = AdamTF(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
     else:
@@ -769,46 +539,15 @@ def make_optimizer(model, args):
     warmup = math.ceil(args.warmup_ratio * args.num_training_steps)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                               num_training_steps=args.num_training_steps)
-    start_step, state = (0, {"skipped": []})
+    start_step, state = 0, {"skipped": []}
     if args.resume_from:
         start_step, state = load_checkpoint(args.resume_from, model, optimizer, scheduler, args)
     return optimizer, scheduler, start_step, state
 
 
-def optimizer_step(model, optimizer, scheduler, loss, step, args, skipped):
-    """Clip the gradient norm (--max_grad_norm; 0: measured only), apply the update unless guard_step refuses it,
-    step the LR schedule once, clear the gradients. `loss` is this rank's part of the step's loss. Returns the
-    learning rate the step used, the gradient norm, and whether to stop (a signal arrived)."""
-    max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    update, stop = guard_step(loss, grad_norm, step, args, skipped)
-    if update:
-        optimizer.step()
-    lr = scheduler.get_last_lr()[0]  # the learning rate this step used
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return lr, grad_norm, stop
-
-
-def is_due(step, every, args):
-    """Whether to log (or evaluate) after optimizer step `step`: every `every` steps (-1: never), and the last one."""
-    return step == args.num_training_steps or (every > 0 and step % every == 0)
-
-
-def reduce_sums(sums):
-    """{name: this rank's running sum (a 0-d tensor)} -> {name: the sum over all ranks}, in one all-reduce. Every
-    rank runs the same code, so every rank has the same names."""
-    names = sorted(sums)
-    totals = torch.stack([sums[name].float() for name in names])
-    dist.all_reduce(totals)
-    return dict(zip(names, totals.tolist()))
-
-
-def open_metrics(args, start_step, rank):
-    """Rank 0: the wandb run (--track) and output_dir/metrics.jsonl; a resumed run continues the file, and the rows
-    logged after its checkpoint are dropped. Returns the file's path."""
-    path = os.path.join(args.output_dir, "metrics.jsonl")
+def open_metrics(args, start_step):
+    """wandb, metrics.jsonl (kept up to a resumed step), a progress bar on a terminal only."""
+    path, rank = os.path.join(args.output_dir, "metrics.jsonl"), dist.get_rank()
     if rank == 0:
         if args.track:
             import wandb
@@ -818,14 +557,41 @@ def open_metrics(args, start_step, rank):
         old = [json.loads(line) for line in open(path)] if start_step > 0 and os.path.exists(path) else []
         with open(path, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in old if row["step"] <= start_step)
-    return path
+    bar = tqdm(total=args.num_training_steps, initial=start_step, desc=args.exp_name,
+               disable=rank != 0 or not sys.stderr.isatty())
+    return path, bar
 
 
-def log_metrics(metrics, path, args, progress, rank, samples=None):
-    """Rank 0 prints the metrics, appends them to metrics.jsonl and logs them to wandb. `samples`: a table of
-    completions, its first row the header (prompt, completion, then numbers), printed and logged as a wandb table.
-    No collective here: the metrics are reduced before."""
-    if rank != 0:
+def optimizer_step(model, optimizer, scheduler, loss, step, args, state):
+    """Clip the gradient norm, update unless guard_step refuses, step the LR schedule once."""
+    max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    update, stop = guard_step(loss, grad_norm, step, args, state)
+    if update:
+        optimizer.step()
+    lr = scheduler.get_last_lr()[0]
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lr, grad_norm, stop
+
+
+def is_due(step, every, args):
+    """Whether to log or evaluate after `step`: every `every` steps (-1: never), and the last."""
+    return step == args.num_training_steps or (every > 0 and step % every == 0)
+
+
+def reduce_sums(sums):
+    """{name: this rank's sum} -> {name: the sum over ranks}, one all-reduce."""
+    names = sorted(sums)
+    totals = torch.stack([sums[name].float() for name in names])
+    dist.all_reduce(totals)
+    return dict(zip(names, totals.tolist()))
+
+
+def log_metrics(metrics, path, args, progress, samples=None):
+    """Rank 0 prints the metrics (and samples), logs them to metrics.jsonl and wandb."""
+    if dist.get_rank() != 0:
         return
     progress.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
     for prompt, completion, *numbers in (samples or [[]])[1:]:
@@ -840,59 +606,39 @@ def log_metrics(metrics, path, args, progress, rank, samples=None):
         wandb.log({**metrics, **table}, step=metrics["step"])
 
 
-STOP_SIGNALS = []  # signals received: request_stop appends, guard_step reads
-
-
-def request_stop(signum, frame):
-    """SIGTERM (preemption: torchrun forwards it to every process) or SIGINT (Ctrl-C) only raise a flag; the loop sees
-    it at the next optimizer step, saves a checkpoint and leaves. A second Ctrl-C stops at once."""
-    if signum == signal.SIGINT and STOP_SIGNALS:
-        raise KeyboardInterrupt
-    STOP_SIGNALS.append(signum)
-
-
-def guard_step(loss, grad_norm, step, args, skipped):
-    """Before optimizer.step(), one all-reduce: is this step's loss (this rank's part) or gradient norm NaN or inf
-    anywhere, and has any rank been asked to stop? Every rank gets the same answer and takes the same branch. A
-    non-finite step is not applied, up to --skip_nonfinite times (`skipped` lists them); past that the run stops with
-    a message naming the step, the metric and the last complete checkpoint. Returns (apply the update, stop now)."""
-    stop_flag = torch.tensor(float(bool(STOP_SIGNALS)), device=grad_norm.device)
-    bad = [(~torch.isfinite(value)).float() for value in (loss, grad_norm)]
-    flags = torch.stack([*bad, stop_flag])
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    bad_loss, bad_norm, stop = flags.tolist()
-    if not bad_loss and not bad_norm:
-        return True, stop > 0
-    what = " and ".join(name for name, bad in [("loss", bad_loss), ("grad_norm", bad_norm)] if bad)
-    skipped.append(step)
-    if len(skipped) <= args.skip_nonfinite:
-        if dist.get_rank() == 0:
-            print(f"step {step}: non-finite {what}: update skipped ({len(skipped)} of --skip_nonfinite "
-                  f"{args.skip_nonfinite})")
-        return False, stop > 0
-    last = (complete_checkpoints(args.output_dir) or ["none (see --save_every)"])[-1]
-    raise FloatingPointError(
-        f"step {step}: non-finite {what} (grad_norm {grad_norm.item()}); the model was not updated with it. Last "
-        f"complete checkpoint: {last}. Resume from it with a lower --learning_rate or --max_grad_norm, check this "
-        "step's data, or pass --skip_nonfinite N to skip up to N such steps")
-
-
-def leave_after_signal(checkpoint, rank):
-    """After the checkpoint a SIGTERM/SIGINT asked for: say how to continue, close the process group and exit with
-    128 + the signal, so that a job scheduler sees an interrupted run, not a finished one."""
-    signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # the signal may have reached another rank only
+def save_checkpoint(model, optimizer, scheduler, step, args, state):
+    """checkpoints/step_N: model and optimizer (DCP, sharded), each rank's scheduler, RNG and loop state;
+    written as step_N.tmp, renamed once whole (checkpoint.json lists each file's size)."""
+    rank, path = dist.get_rank(), os.path.join(args.output_dir, "checkpoints", f"step_{step}")
     if rank == 0:
-        print(f"stopped by {signal.Signals(signum).name}: checkpoint {checkpoint}; the same command with "
-              "--resume_from auto continues the run")
+        shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # left by a crash
     dist.barrier()
-    dist.destroy_process_group()
-    sys.exit(128 + signum)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    try:
+        dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=f"{path}.tmp")
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        rng |= {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
+        torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state},
+                   f"{path}.tmp/rank{rank}.pt")
+        dist.barrier()
+        if rank == 0:
+            files = {name: os.path.getsize(os.path.join(f"{path}.tmp", name)) for name in os.listdir(f"{path}.tmp")}
+            with open(f"{path}.tmp/checkpoint.json", "w") as f:
+                json.dump({"step": step, "args": vars(args), "files": files}, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            shutil.rmtree(path, ignore_errors=True)  # a run restarted into its output_dir overwrites its old step
+            os.replace(f"{path}.tmp", path)
+    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # DCP gathers every rank's errors
+        raise checkpoint_error(path, step, args, e) from e
+    for old in complete_checkpoints(args.output_dir)[: -args.keep_last] if args.keep_last > 0 and rank == 0 else []:
+        shutil.rmtree(old)
+    dist.barrier()
+    return path
 
 
 def complete_checkpoint(path):
-    """The manifest (checkpoint.json) of a complete checkpoint folder, else None: the folder is named after its step,
-    and every file the manifest lists is there at its size (a folder still being written, truncated or copied in
-    part fails this)."""
+    """The manifest of a complete checkpoint folder, or None."""
     try:
         manifest = json.load(open(os.path.join(path, "checkpoint.json")))
         sizes = all(os.path.getsize(os.path.join(path, name)) == size for name, size in manifest["files"].items())
@@ -902,56 +648,344 @@ def complete_checkpoint(path):
 
 
 def complete_checkpoints(output_dir):
-    """The complete checkpoints of output_dir/checkpoints, oldest step first (--resume_from auto takes the last)."""
+    """output_dir's complete checkpoints, oldest first."""
     root = os.path.join(output_dir, "checkpoints")
     found = [(manifest["step"], os.path.join(root, name)) for name in (os.listdir(root) if os.path.isdir(root) else [])
              if (manifest := complete_checkpoint(os.path.join(root, name)))]
     return [path for _, path in sorted(found)]
 
 
-def save_checkpoint(model, optimizer, scheduler, step, args, state):
-    """output_dir/checkpoints/step_N: model and optimizer tensors (torch.distributed.checkpoint, sharded), and per
-    rank the scheduler, the RNG states and `state` (the loop's own: skipped steps, the KL controller) in a
-    weights_only file. Written as step_N.tmp; when every rank is done, rank 0 lists each file with its size in
-    checkpoint.json (with the arguments) and renames the folder, so a crash while saving leaves the previous
-    checkpoint the latest complete one. --keep_last N then removes the older ones. Returns the folder. A write that
-    fails (a full disk) removes the partial folder and stops the run, naming the checkpoint to resume from."""
-    rank = dist.get_rank()
-    path = os.path.join(args.output_dir, "checkpoints", f"step_{step}")
-    if rank == 0:
-        shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # left by a crash
-    dist.barrier()
+def load_checkpoint(path, model, optimizer, scheduler, args):
+    """Restore a checkpoint of this run on any number of processes (DCP reshards)."""
+    manifest = check_checkpoint(path, args)
     model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state["state"]}
+    dcp.load(state, storage_reader=CheckpointReader(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict={"state": state["optimizer"], "param_groups": optimizer_state["param_groups"]})
+    same = manifest["args"]["world_size"] == args.world_size  # else the per-rank random streams restart
+    extra = torch.load(os.path.join(path, f"rank{dist.get_rank() if same else 0}.pt"), weights_only=True)
+    scheduler.load_state_dict(extra["scheduler"])
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr  # the next step's (param_groups are not in the checkpoint)
+    if same:
+        torch.set_rng_state(extra["rng"]["torch"])
+        random.setstate(extra["rng"]["python"])
+        if "cuda" in extra["rng"]:
+            torch.cuda.set_rng_state(extra["rng"]["cuda"])
+    if dist.get_rank() == 0:
+        print(f"resumed from {path} (written by {manifest['args']['world_size']} processes)")
+    return extra["step"], extra["state"]
+
+
+def save_hf_model(model, tokenizer, output_dir):
+    """Gather the full weights on rank 0 (a collective) and write a Hugging Face folder."""
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    first_name = {}  # tied parameters (embeddings = head) come back as copies: keep the first name only
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if first_name.setdefault(id(param), name) != name:
+            state_dict.pop(name, None)
+    if dist.get_rank() == 0:
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
+
+
+def finish(model, tokenizer, args, device):
+    """Write the Hugging Face folder, print the peak memory, close wandb and the process group."""
+    save_hf_model(model, tokenizer, args.output_dir)
+    gpu = device.type == "cuda"
+    peak = torch.tensor(torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                        * 1024.0, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        print(f"saved {args.output_dir}; peak {'GPU' if gpu else 'CPU RSS'} memory per process {peak / 2**30:.2f} GiB")
+        if args.track:
+            import wandb
+
+            wandb.finish()
+    dist.barrier()  # no rank tears gloo/nccl down while another still communicates
+    dist.destroy_process_group()
+    while OUTPUT_DIR_LOCK:  # the folder is free for the next run
+        OUTPUT_DIR_LOCK.pop().close()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Guards: what only refuses bad input or protects a run, each reached by one call from the plumbing or main.
+class ScriptError(ValueError):
+    """An error raised on purpose: its message names the problem, where, and the fix."""
+
+
+def guard_run(args, auto):
+    """Errors as one line, signals as a checkpoint, the arguments checked, output_dir claimed."""
+    sys.excepthook = report_error
+    signal.signal(signal.SIGTERM, request_stop)  # preemption: torchrun forwards it to every process
+    signal.signal(signal.SIGINT, request_stop)
+    logging.getLogger("transformers.modeling_utils").addFilter(lambda record: "LOAD REPORT" not in str(record.msg))
+    check_arguments(args)
+    claim_output_dir(args, auto)
+
+
+def report_error(kind, error, traceback):
+    """sys.excepthook: a ScriptError is one line from the first process, exit 2 everywhere;
+    any other error keeps its traceback."""
+    if not isinstance(error, ScriptError):
+        return sys.__excepthook__(kind, error, traceback)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{os.path.basename(sys.argv[0])}: error: {' '.join(str(error).split())}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)
+
+
+# numeric arguments that cannot be meant outside these ranges: (flags, what they must be, the check)
+ARGUMENT_RULES = [
+    (["num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size",
+      "log_every", "max_prompt_length", "max_completion_length", "num_mini_batches", "num_iterations", "num_ppo_epochs",
+      "local_rollout_forward_batch_size", "kl_horizon"], "at least 1", lambda v: v >= 1),
+    (["max_steps", "eval_every", "save_every", "keep_last"], "-1 (off) or at least 1", lambda v: v == -1 or v >= 1),
+    (["learning_rate", "adam_epsilon", "temperature", "kl_target"], "above 0", lambda v: v > 0),
+    (["weight_decay", "max_grad_norm", "skip_nonfinite", "beta", "epsilon", "epsilon_high", "rpo_alpha",
+      "missing_eos_penalty", "kl_coef", "cliprange", "cliprange_value", "vf_coef"], "0 or more", lambda v: v >= 0),
+    (["warmup_ratio", "gamma", "lam"], "in [0, 1]", lambda v: 0 <= v <= 1),
+    (["label_smoothing"], "in [0, 0.5)", lambda v: 0 <= v < 0.5),
+]
+
+
+def check_arguments(args):
+    """Refuse a numeric argument that cannot be meant (a batch size of 0, a negative --beta...)."""
+    for names, allowed, check in ARGUMENT_RULES:
+        for name in [name for name in names if getattr(args, name, None) is not None]:
+            if not check(getattr(args, name)):
+                raise ScriptError(f"--{name} {getattr(args, name)}: must be {allowed}")
+
+
+RUN_FILES = ("metrics.jsonl", "checkpoints", "model.safetensors", "model.safetensors.index.json")  # a run's own
+
+
+OUTPUT_DIR_LOCK = []  # the first process's open output_dir/.lock while the run lives
+
+
+def claim_output_dir(args, auto):
+    """The first process claims output_dir; every process must read its token (all write there)."""
+    verdict = [None, f"{os.uname().nodename} {os.getpid()} {time.time()}"]
+    if dist.get_rank() == 0:
+        verdict[0] = output_dir_verdict(args, auto, verdict[1])
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise ScriptError(verdict[0])
+    lock, views = os.path.join(args.output_dir, ".lock"), [None] * dist.get_world_size()
+    dist.all_gather_object(views, (os.uname().nodename, os.path.exists(lock) and open(lock).read() == verdict[1]))
+    if not all(same for _, same in views):
+        raise ScriptError(f"--output_dir {args.output_dir} on {sorted({n for n, same in views if not same})} is not "
+                          "the first process's: give one all nodes share")
+
+
+def output_dir_verdict(args, auto, token):
+    """The first process's refusal or None: a flock for the run's life keeps a second run out;
+    another run's folder is refused unless continued or --overwrite_output_dir."""
     try:
-        dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=f"{path}.tmp")
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        extra = {"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state}
-        torch.save(extra, f"{path}.tmp/rank{rank}.pt")
-        dist.barrier()
-        if rank == 0:
-            files = {name: os.path.getsize(os.path.join(f"{path}.tmp", name)) for name in os.listdir(f"{path}.tmp")}
-            with open(f"{path}.tmp/checkpoint.json", "w") as f:
-                json.dump({"step": step, "args": vars(args), "files": files}, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            shutil.rmtree(path, ignore_errors=True)  # a run restarted into the same output_dir overwrites its old step
-            os.replace(f"{path}.tmp", path)
-    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # DCP gathers every rank's write errors in one
-        if rank == 0:
-            shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # what was written of it: room for the next try
-        cause = next(iter(e.failures.values()))[0] if isinstance(e, dcp.api.CheckpointException) else e
-        last = (complete_checkpoints(args.output_dir) or ["none"])[-1]
-        free = shutil.disk_usage(args.output_dir).free / 2**30
-        raise OSError(f"step {step}: the checkpoint {path} could not be written ({cause!r}; {free:.1f} GiB free "
-                      f"there). The latest complete checkpoint, {last}, is kept: make room, then run the same command "
-                      "with --resume_from auto") from e
-    if rank == 0:  # the new checkpoint is complete: --keep_last may drop older ones
-        for old in complete_checkpoints(args.output_dir)[: -args.keep_last] if args.keep_last > 0 else []:
-            shutil.rmtree(old)
+        os.makedirs(args.output_dir, exist_ok=True)
+        lock = open(os.path.join(args.output_dir, ".lock"), "a+")
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return f"another run is writing to --output_dir {args.output_dir}: let it finish, or choose another folder"
+    except OSError as e:
+        return f"--output_dir {args.output_dir}: {e.strerror}; give a folder"
+    lock.truncate(0)
+    lock.write(token)
+    lock.flush()
+    OUTPUT_DIR_LOCK[:] = [lock]
+    found = [name for name in RUN_FILES if os.path.exists(os.path.join(args.output_dir, name))]
+    finished = any(name.startswith("model.") for name in found)
+    if not found or args.resume_from or (auto and not finished):  # auto restarts a run stopped before a checkpoint
+        return None
+    if args.overwrite_output_dir:
+        for path in [os.path.join(args.output_dir, name) for name in found]:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        print(f"--overwrite_output_dir: removed the previous run's {', '.join(found)} from {args.output_dir}")
+        return None
+    auto = "--resume_from auto continues it, " if not finished or complete_checkpoints(args.output_dir) else ""
+    return f"--output_dir {args.output_dir} holds another run ({', '.join(found)}): {auto}--overwrite_output_dir " \
+           "replaces it, or choose another folder"
+
+
+STOP_SIGNALS = []  # signals received: request_stop appends, guard_step reads
+
+
+def request_stop(signum, frame):
+    """SIGTERM or SIGINT: checkpoint at the next step and leave (a second Ctrl-C: at once)."""
+    if signum == signal.SIGINT and STOP_SIGNALS:
+        raise KeyboardInterrupt
+    STOP_SIGNALS.append(signum)
+
+
+def guard_step(loss, grad_norm, step, args, state):
+    """One all-reduce: a non-finite loss or norm anywhere skips the update (--skip_nonfinite times),
+    a signal anywhere stops the run. Returns (update, stop)."""
+    flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(grad_norm), torch.tensor(bool(STOP_SIGNALS))]).float()
+    dist.all_reduce(flags.to(grad_norm.device), op=dist.ReduceOp.MAX)
+    bad_loss, bad_norm, stop = flags.tolist()
+    if bad_loss or bad_norm:
+        what = " and ".join(name for name, bad in [("loss", bad_loss), ("grad_norm", bad_norm)] if bad)
+        state["skipped"].append(step)
+        if len(state["skipped"]) > args.skip_nonfinite:
+            last = (complete_checkpoints(args.output_dir) or ["none (see --save_every)"])[-1]
+            raise ScriptError(f"step {step}: non-finite {what} (grad_norm {grad_norm.item()}), not applied. Last "
+                              f"complete checkpoint: {last}. Resume with a lower --learning_rate, or --skip_nonfinite")
+        if dist.get_rank() == 0:
+            print(f"step {step}: non-finite {what}: update skipped ({len(state['skipped'])} of --skip_nonfinite "
+                  f"{args.skip_nonfinite})")
+    return not (bad_loss or bad_norm), stop > 0
+
+
+def leave_after_signal(checkpoint):
+    """After a signal's checkpoint, exit with 128 + the signal."""
+    signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # it may have reached another rank only
+    if dist.get_rank() == 0:
+        print(f"stopped by {signal.Signals(signum).name}: checkpoint {checkpoint}; --resume_from auto continues")
     dist.barrier()
-    return path
+    dist.destroy_process_group()
+    sys.exit(128 + signum)
+
+
+def check_local_path(path, what, auto_class=None):
+    """A name meant as local that is not there, refused before the hub retries it for a minute."""
+    meant_local = path.startswith(("/", "./", "../", "~")) or ("/" in path and os.path.isdir(path.split("/")[0]))
+    if meant_local and not os.path.exists(os.path.expanduser(path)):
+        raise ScriptError(f"{what} {path!r}: no such file or folder (and not a hub id, owner/name)")
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+    if auto_class is AutoTokenizer and os.path.isdir(path) and not any(os.path.exists(f"{path}/{f}") for f in files):
+        raise ScriptError(f"{what} {path!r} has no tokenizer files: save the tokenizer into the model folder")
+
+
+def loading_error(auto_class, path, flag, error):
+    """Why a model or tokenizer does not load: a damaged file, no such name, or the library's reason."""
+    if isinstance(error, SafetensorError):  # e.g. "incomplete metadata, file not fully covered": a file cut short
+        return ScriptError(f"{flag} {path!r}: a weights file there is damaged ({error}); copy it again")
+    if not os.path.exists(path):
+        return ScriptError(f"{flag} {path!r}: no such folder, nor on the hub ({str(error).splitlines()[0]})")
+    return ScriptError(f"{flag} {path!r} does not load with {auto_class.__name__}: {error}")
+
+
+def check_weights(model, info, path, flag):
+    """No weight missing (HF makes it up) or left over (a reward model's head given as a causal LM)."""
+    problems = [f"no weights for {sorted(info['missing_keys'])}"] if info["missing_keys"] else []
+    problems += [f"weights {sorted(info['unexpected_keys'])} it does not use"] if info["unexpected_keys"] else []
+    if problems:
+        raise ScriptError(f"{flag} {path!r} has {' and '.join(problems)} as {type(model).__name__}: give a model of "
+                          "that kind")
+
+
+def check_tokenizer(tokenizer, args):
+    """An EOS from the tokenizer's own files (with none in its config, HF makes one up)."""
+    listed = tokenizer.init_kwargs.get("added_tokens_decoder")  # the added tokens its files define, if it says
+    for name in ("eos", "pad"):
+        token = getattr(tokenizer, f"{name}_token_id")
+        made_up = listed and token and token >= tokenizer.vocab_size and token not in listed
+        if made_up or (name == "eos" and token is None):
+            raise ScriptError(f"the tokenizer of {args.model_name_or_path} has no {name}_token"
+                              f"{' (HF made one up)' if made_up else ''}: set one in its tokenizer_config.json")
+
+
+DATASETS_METADATA = {"dataset_infos.json", "dataset_info.json", "state.json", "dataset_dict.json"}  # datasets' own
+
+
+def check_split_files(folder, splits):
+    """Every data file of a folder in a split: datasets skips files with no split word once
+    another file has one."""
+    used, skipped = {os.path.realpath(f) for files in splits.values() for f in files}, []
+    for root, folders, files in os.walk(folder):
+        folders[:] = [f for f in folders if not f.startswith((".", "__"))]  # hidden: datasets skips them too
+        skipped += [os.path.relpath(os.path.join(root, f), folder) for f in files if f.endswith(DATA_EXTENSIONS)
+                    and f not in DATASETS_METADATA and not f.startswith((".", "__"))
+                    and os.path.realpath(os.path.join(root, f)) not in used]
+    if skipped:
+        found = {split: [os.path.relpath(f, folder) for f in files] for split, files in splits.items()}
+        raise ScriptError(f"dataset folder {folder!r}: {sorted(skipped)} would be in no split (found {found}); name "
+                          "files after their split (train.jsonl)")
+
+
+def data_file_problem(path):
+    """Why a JSON or JSONL file does not load, by line, or None."""
+    raw = open(path, "rb").read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        return f"dataset file {path!r} line {line} is not UTF-8 text ({e.reason} at byte {e.start})"
+    if not text.strip():
+        return f"dataset file {path!r} is empty"
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            json.loads(line.strip() or "null")  # a blank line is no row, and no error
+        except json.JSONDecodeError as e:
+            return f"dataset file {path!r} line {number} is not valid JSON ({e.msg}, column {e.colno}): {line[:80]!r}"
+    return None
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")  # the roles of a conversation's messages
+
+
+def check_columns(dataset, args, split, tokenizer):
+    """Text, not numbers ("0457" read as 457); messages with a known role and text; no text
+    spelling a special token (it would become one: a fake turn, an early EOS)."""
+    specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special})
+    names = ["prompt", "completion", "chosen", "rejected", "messages", getattr(args, "prompt_column", "prompt"),
+             getattr(args, "answer_column", "answer")]
+    for column in [name for name in dict.fromkeys(names) if name in dataset.column_names]:
+        where = f"dataset {args.dataset_name!r}, split {split!r}, column {column!r}"
+        try:
+            values = list(dataset[column])
+        except UnicodeDecodeError as e:  # pyarrow keeps the bytes unchecked: they fail when read as text
+            raise ScriptError(os.path.isfile(args.dataset_name) and data_file_problem(args.dataset_name)
+                              or f"{where}: text that is not UTF-8 ({e.reason})") from e
+        for row, value in enumerate(values):
+            messages = value if isinstance(value, list) else []
+            bad = [m for m in messages if not isinstance(m, dict) or m.get("role") not in ROLES
+                   or not isinstance(m.get("content"), str)]
+            texts = [value] if isinstance(value, str) else [] if bad else [m["content"] for m in messages]
+            spelt = [t for t in specials for text in texts if t in text]
+            problem = ("no value (null, or missing where other rows have one)" if value is None else
+                       f"{value!r} was read as a number, not text (a CSV cell or a JSON column mixing text and "
+                       "numbers): quote it in JSON" if not isinstance(value, (str, list)) else
+                       f"message {bad[0]!r} needs a role (one of {', '.join(ROLES)}) and a text content" if bad else
+                       f"the text {spelt[0]!r} would become a special token: remove it (the chat template writes "
+                       "them)" if spelt else None)
+            if problem:
+                raise ScriptError(f"{where}, row {row}: {problem}")
+
+
+def check_splits(args, tokenizer, splits):
+    """A train split; token ids and lengths within the model's vocabulary and positions."""
+    if args.dataset_train_split not in splits:
+        raise ScriptError(f"dataset {args.dataset_name!r} has no split {args.dataset_train_split!r}: name one with "
+                          "--dataset_train_split")
+    config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    config, model = config.get_text_config(), f"the model {args.model_name_or_path!r}"
+    limit = getattr(config, "max_position_embeddings", None) or math.inf
+    for split, data in splits.items():
+        columns = [data[c] for c in ("prompt", "completion", "chosen", "rejected") if c in data]
+        top = max([max(ids) for column in columns for ids in column] + [tokenizer.eos_token_id])
+        if top >= config.vocab_size:
+            raise ScriptError(f"split {split!r} has token id {top}, past the vocab_size {config.vocab_size} of "
+                              f"{model}: the tokenizer and the model do not belong together")
+        lengths = [len(p) + max([len(c[i]) for c in columns[1:]] or [args.max_completion_length])
+                   for i, p in enumerate(columns[0])]
+        if max(lengths, default=0) > limit:
+            then = "its longest completion" if columns[1:] else f"--max_completion_length {args.max_completion_length}"
+            raise ScriptError(f"split {split!r}: {max(lengths)} tokens (a prompt and {then} new tokens) are past the "
+                              f"{limit} positions of {model}: lower --max_completion_length or --max_prompt_length")
+
+
+def checkpoint_error(path, step, args, error):
+    """A checkpoint not written (a full disk): its partial folder removed, the cause named."""
+    if dist.get_rank() == 0:
+        shutil.rmtree(f"{path}.tmp", ignore_errors=True)
+    cause = next(iter(error.failures.values()))[0] if isinstance(error, dcp.api.CheckpointException) else error
+    full = "no space left on device; " if shutil.disk_usage(args.output_dir).free < 2**26 else ""
+    last = (complete_checkpoints(args.output_dir) or ["none"])[-1]
+    return ScriptError(f"step {step}: the checkpoint {path} could not be written ({full}{cause!r}). The last complete "
+                       f"checkpoint, {last}, is kept: make room, then --resume_from auto")
 
 
 # arguments that may change when a run resumes: where it logs, how often, and how the same global batch is split
@@ -962,111 +996,49 @@ RESUMABLE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_
              "reshard_after_forward", "world_size", "local_batch_size"}
 
 
+def check_checkpoint(path, args):
+    """The manifest of a complete checkpoint of this run (every argument outside RESUMABLE the same)."""
+    manifest = complete_checkpoint(path)
+    if manifest is None:
+        raise ScriptError(f"--resume_from {path!r} is not a complete checkpoint: --resume_from auto picks the latest "
+                          "complete one")
+    mismatched = [f"{name} {manifest['args'].get(name)!r} in the checkpoint, {value!r} now"
+                  for name, value in json.loads(json.dumps(vars(args))).items()
+                  if name not in RESUMABLE and manifest["args"].get(name) != value]
+    if mismatched:
+        raise ScriptError(f"checkpoint {path} does not match the arguments: {'; '.join(mismatched)}. Resume with its "
+                          "arguments, or use another --output_dir")
+    return manifest
+
+
 class CheckpointReader(dcp.FileSystemReader):
-    """DCP's file reader, with its .metadata (a pickle) read through an allow-list: DCP's metadata classes, torch
-    sizes, dtypes and layouts, paths. And no bytes entry: DCP reads those with torch.load(weights_only=False), which
-    runs whatever the file holds; save_checkpoint writes tensors only (the rest is in json and weights_only files).
-    So loading a checkpoint cannot run code planted in it."""
+    """DCP's reader, .metadata unpickled through an allow-list with no bytes entry (DCP unpickles
+    those): a checkpoint cannot run planted code."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.read_metadata()  # here, as DCP swallows read_metadata's errors
 
     def read_metadata(self, *args, **kwargs):
-        allowed_names = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-                         ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                         ("pathlib", "WindowsPath"), ("pathlib", "Path")}
-
-        def allowed(module, name):
-            return (module == "torch.distributed.checkpoint.metadata" or (module, name) in allowed_names
-                    or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        allowed = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                   ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "Path")}
 
         class Unpickler(pickle.Unpickler):
             def find_class(self, module, name):
-                if not allowed(module, name):
-                    raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}: not a DCP "
-                                                 "metadata class")
+                if not (module == "torch.distributed.checkpoint.metadata" or (module, name) in allowed
+                        or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+                    raise ScriptError(f"checkpoint metadata refers to {module}.{name}: not a DCP metadata class")
                 return super().find_class(module, name)
 
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
             metadata = Unpickler(f).load()
-        entries = metadata.state_dict_metadata.items()
-        pickled = [key for key, entry in entries if isinstance(entry, BytesStorageMetadata)]
+        pickled = [k for k, entry in metadata.state_dict_metadata.items() if isinstance(entry, BytesStorageMetadata)]
         if pickled:
-            raise ValueError(f"checkpoint {self.path} lists a non-tensor entry ({pickled[0]}), which DCP would "
-                             "unpickle: not a checkpoint of these scripts (they save tensors only)")
+            raise ScriptError(f"checkpoint {self.path} lists a non-tensor entry ({pickled[0]}): not ours")
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
-def load_checkpoint(path, model, optimizer, scheduler, args):
-    """Restore a checkpoint of save_checkpoint, after checking that it is complete and belongs to this run: every
-    argument outside RESUMABLE must match (model, data, seed, schedule, algorithm, the global batch). The number of
-    processes may change if the global batch stays the same (DCP reshards; the per-rank RNG streams then restart).
-    Nothing is unpickled. Returns the step and the loop's own state."""
-    manifest = complete_checkpoint(path)
-    if manifest is None:
-        raise ValueError(f"--resume_from {path!r} is not a complete checkpoint (a step_N folder whose checkpoint.json "
-                         "lists files that are all there); --resume_from auto picks the latest complete one")
-    now = json.loads(json.dumps(vars(args)))
-    mismatched = [f"{name} {manifest['args'].get(name)!r} in the checkpoint, {value!r} now"
-                  for name, value in now.items() if name not in RESUMABLE and manifest["args"].get(name) != value]
-    if mismatched:
-        raise ValueError(f"checkpoint {path} does not match the arguments: {'; '.join(mismatched)}. Resume with the "
-                         "arguments it was written with (batch_size = processes x --per_device_train_batch_size x "
-                         "--gradient_accumulation_steps), or start a new run in another --output_dir")
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state["state"]}
-    reader = CheckpointReader(path)
-    reader.read_metadata()  # a refusal surfaces here: DCP itself (torch 2.11) swallows read_metadata's errors
-    dcp.load(state, storage_reader=reader)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict={"state": state["optimizer"], "param_groups": optimizer_state["param_groups"]})
-    same_processes = manifest["args"]["world_size"] == args.world_size
-    extra = torch.load(os.path.join(path, f"rank{dist.get_rank() if same_processes else 0}.pt"), weights_only=True)
-    scheduler.load_state_dict(extra["scheduler"])
-    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-        group["lr"] = lr  # the learning rate of the next step (param_groups are not in the checkpoint)
-    if same_processes:
-        torch.set_rng_state(extra["rng"]["torch"])
-        random.setstate(extra["rng"]["python"])
-        if "cuda" in extra["rng"]:
-            torch.cuda.set_rng_state(extra["rng"]["cuda"])
-    elif dist.get_rank() == 0:
-        print(f"resuming on {args.world_size} processes a run of {manifest['args']['world_size']}: same weights, "
-              "optimizer, schedule and data order; the per-process random streams (dropout) restart")
-    return extra["step"], extra["state"]
-
-
-def save_hf_model(model, tokenizer, output_dir, rank):
-    """Gather the full weights on rank 0 (a collective: every rank calls this) and write a Hugging Face folder."""
-    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    first_name = {}  # tied parameters (input embeddings = head) come back as copies: keep the first name only
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if first_name.setdefault(id(param), name) != name:
-            state_dict.pop(name, None)
-    if rank == 0:
-        model.save_pretrained(output_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(output_dir)
-
-
-def finish(model, tokenizer, args, device, rank):
-    """Write the Hugging Face folder (a collective), print the peak memory of the busiest process (GPU allocations,
-    or the CPU resident set), close wandb and the process group."""
-    save_hf_model(model, tokenizer, args.output_dir, rank)
-    on_gpu = device.type == "cuda"
-    used = torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    peak = torch.tensor(float(used), device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        print(f"saved {args.output_dir}; peak {'GPU' if on_gpu else 'CPU RSS'} memory per process "
-              f"{peak.item() / 2**30:.2f} GiB")
-        if args.track:
-            import wandb
-
-            wandb.finish()
-    dist.barrier()  # no rank tears gloo/nccl down while another still communicates (gloo can abort at exit otherwise)
-    dist.destroy_process_group()
-    while OUTPUT_DIR_LOCK:  # the folder is free for the next run
-        OUTPUT_DIR_LOCK.pop().close()
-
-
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(tyro.cli(Args, use_underscores=True, console_outputs=os.environ.get("RANK", "0") == "0"))

@@ -149,15 +149,18 @@ def run_in_process(script, args):
     """Run a top-level script inside the test process, as `python script.py ...` would (one process, the same code
     path), for the runs that stop before training: no interpreter start or imports to pay. Returns the exception it
     raised (None if it finished) and what it printed. What it leaves behind is undone: the process group, the signal
-    handlers, and the lock it took on its output_dir (a process that ends drops it; this one goes on)."""
+    handlers, the excepthook and log filter it sets, and the lock it took on its output_dir (a process that ends drops
+    it; this one goes on)."""
     import contextlib
     import io
+    import logging
     import signal
     import types
 
     import torch.distributed as dist
 
     handlers, argv, printed = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}, sys.argv, io.StringIO()
+    hook, hf_filters = sys.excepthook, list(logging.getLogger("transformers.modeling_utils").filters)
     path, main = os.path.join(ROOT, script), sys.modules["__main__"]
     module = types.ModuleType("__main__")  # what runpy.run_path(run_name="__main__") does, keeping the namespace
     module.__file__, sys.argv, error = path, [script] + [str(a) for a in args], None
@@ -171,6 +174,7 @@ def run_in_process(script, args):
         error = e
     finally:
         sys.argv, sys.modules["__main__"] = argv, main
+        sys.excepthook, logging.getLogger("transformers.modeling_utils").filters = hook, hf_filters
         for s, handler in handlers.items():
             signal.signal(s, handler)
         if dist.is_initialized():

@@ -72,7 +72,13 @@ def _rank(path, args, env, cwd, out, err):
     os.chdir(cwd)
     tests = (HERE, ROOT, os.path.join(ROOT, "examples"))
     sys.argv, sys.path[:] = [path] + args, [os.path.dirname(path)] + [p for p in sys.path if p not in tests]
-    runpy.run_path(path, run_name="__main__")
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except Exception:  # what the interpreter does with an uncaught exception: the excepthook the script set
+        sys.excepthook(*sys.exc_info())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def free_port():

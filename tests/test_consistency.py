@@ -1,6 +1,7 @@
 """Helpers are pasted verbatim into each script that needs them (STYLE.md): any function or class defined under the
 same name in several top-level scripts must have the same source, so the copies cannot drift apart. And the layout:
-the algorithm first, then one infrastructure line, then only those shared helpers."""
+the algorithm first, then one infrastructure line and the plumbing, then one guards line and the guards, below both
+lines only those shared helpers."""
 
 import ast
 import os
@@ -11,9 +12,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = [s for s in ("sft.py", "reward.py", "dpo.py", "ppo.py", "grpo.py") if os.path.exists(os.path.join(ROOT, s))]
 # each script's own version of the same step, under one name so that `diff ppo.py grpo.py` lines them up (Args: the
 # common block is checked field by field below); they live above the infrastructure line
-PER_SCRIPT = {"Args", "main", "evaluate", "score_rollout", "accumulate_gradients"}
+PER_SCRIPT = {"Args", "main", "evaluate", "score_rollout", "accumulate_gradients", "window_metrics",
+              "rollout_metrics"}
 MARKER = "# Infrastructure: identical in every script that has it (tests/test_consistency.py). Skip it on a first read."
-GUARD = 'if __name__ == "__main__":\n    main(tyro.cli(Args))'
+GUARDS = "# Guards: what only refuses bad input or protects a run, each reached by one call from the plumbing or main."
+GUARD = (
+    'if __name__ == "__main__":\n'
+    '    main(tyro.cli(Args, use_underscores=True, console_outputs=os.environ.get("RANK", "0") == "0"))'
+)
 
 
 def definitions(source):
@@ -41,8 +47,8 @@ def drifted_copies(sources):
 
 def layout_problems(sources):
     """What breaks the layout of STYLE.md in each script: the infrastructure line (one line starting with "# " and
-    containing "Infrastructure", the same MARKER in every script); below it only helpers that two or more scripts
-    define (and not a per-script step); `main` above it; the file ending with the two-line guard."""
+    containing "Infrastructure", the same MARKER in every script), then the GUARDS line; below them only helpers that
+    two or more scripts define (and not a per-script step); `main` above them; the file ending with the guard."""
     counts = {}
     for source in sources.values():
         for name in definitions(source):
@@ -54,6 +60,9 @@ def layout_problems(sources):
         if len(markers) != 1 or lines[markers[0] - 1] != MARKER:
             problems.append(f"{script}: infrastructure lines at {markers}, not one MARKER")
             continue
+        guards = [i + 1 for i, line in enumerate(lines) if line.startswith("# Guards")]
+        if len(guards) != 1 or lines[guards[0] - 1] != GUARDS or guards[0] < markers[0]:
+            problems.append(f"{script}: guards lines at {guards}, not one GUARDS line after the infrastructure line")
         for node in ast.parse(source).body:
             if not isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                 continue
@@ -72,9 +81,9 @@ def test_layout_algorithm_first_infrastructure_last():
 
 
 def test_the_layout_check_catches_a_script_only_helper_below_the_line():
-    def script(extra_below):
+    def script(extra_below, guards=GUARDS):
         algorithm = "def loss(x):\n    return x\n\n\ndef main(args):\n    pass\n\n\n"
-        return f"{algorithm}{MARKER}\ndef pad(x):\n    return x\n{extra_below}\n\n{GUARD}\n"
+        return f"{algorithm}{MARKER}\ndef pad(x):\n    return x\n\n\n{guards}\n{extra_below}\n\n{GUARD}\n"
 
     good = {"a.py": script(""), "b.py": script("")}
     assert layout_problems(good) == []
@@ -82,8 +91,10 @@ def test_the_layout_check_catches_a_script_only_helper_below_the_line():
     assert layout_problems(bad) == ["a.py: only_here is below the infrastructure line but not a shared helper"]
     main_below = f"def loss(x):\n    return x\n\n\n{MARKER}\ndef main(args):\n    pass\n\n\ndef pad(x):\n    return x\n"
     assert "a.py: main is below the infrastructure line" in layout_problems(
-        {"a.py": main_below + f"\n\n{GUARD}\n", "b.py": script("")}
+        {"a.py": main_below + f"\n\n{GUARDS}\n\n{GUARD}\n", "b.py": script("")}
     )
+    no_guards = {"a.py": script("", guards="# guards"), "b.py": script("")}
+    assert layout_problems(no_guards) == ["a.py: guards lines at [], not one GUARDS line after the infrastructure line"]
 
 
 def test_shared_helpers_are_identical_across_scripts():
@@ -164,3 +175,70 @@ def test_main_nests_at_most_four_levels(script):
     assert max(nesting(statement) for statement in main.body) <= 4
     five = "for a in b:\n for c in d:\n  if e:\n   with f:\n    while g:\n     pass\n"  # the count can exceed 4
     assert nesting(ast.parse(five).body[0]) == 5
+
+
+COLLECTIVE_CALLS = {"all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier",
+                    "reduce", "gather", "scatter", "destroy_process_group", "save", "load"}  # of dist and dcp
+STATE_DICT_CALLS = {"get_state_dict", "set_state_dict", "get_model_state_dict"}  # DCP's, collectives too
+
+
+def called(node):
+    """What `node` calls: the functions it names (`f(...)`) and the collectives (`dist.f(...)`, `dcp.f(...)`)."""
+    names = set()
+    for call in [n.func for n in ast.walk(node) if isinstance(n, ast.Call)]:
+        if isinstance(call, ast.Name):
+            names.add(call.id)
+        elif isinstance(call, ast.Attribute) and isinstance(call.value, ast.Name) and call.value.id in ("dist", "dcp"):
+            names.add(call.attr if call.attr in COLLECTIVE_CALLS else f"{call.value.id}.{call.attr}")
+    return names
+
+
+def is_rank_test(test, op):
+    """`rank == 0` / `dist.get_rank() == 0` (op ast.Eq), or the same with !=."""
+    if not (isinstance(test, ast.Compare) and isinstance(test.ops[0], op) and len(test.ops) == 1):
+        return False
+    left, right = test.left, test.comparators[0]
+    rank = (isinstance(left, ast.Name) and left.id == "rank") or "dist.get_rank" in called(left)
+    return rank and isinstance(right, ast.Constant) and right.value == 0
+
+
+def collectives_on_rank_0(source):
+    """Calls that all ranks must make (collectives, or a function of the script that makes one) in code that only
+    the first rank runs: an `if rank == 0:` body, or what follows `if dist.get_rank() != 0: return`."""
+    tree = ast.parse(source)
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    collective = COLLECTIVE_CALLS | STATE_DICT_CALLS
+    while True:  # the script's functions that reach a collective, directly or through another
+        more = {name for name, node in functions.items() if called(node) & collective} - collective
+        if not more:
+            break
+        collective |= more
+    found = []
+    for function in functions.values():
+        for node in ast.walk(function):
+            blocks = []
+            if isinstance(node, ast.If) and is_rank_test(node.test, ast.Eq):
+                blocks = node.body
+            body = getattr(node, "body", [])
+            for i, statement in enumerate(body if isinstance(body, list) else []):
+                if isinstance(statement, ast.If) and is_rank_test(statement.test, ast.NotEq) and \
+                        isinstance(statement.body[-1], ast.Return):
+                    blocks = blocks + body[i + 1 :]
+            found += [f"{function.name}: {name}" for block in blocks for name in sorted(called(block) & collective)]
+    return found
+
+
+def test_no_collective_runs_on_the_first_rank_alone():
+    """A collective that only rank 0 reaches hangs every other rank (until the timeout): none in any script."""
+    for script in SCRIPTS:
+        assert collectives_on_rank_0(open(os.path.join(ROOT, script)).read()) == [], script
+
+
+def test_the_rank_0_check_catches_a_collective():
+    source = (
+        "def sync(x):\n    dist.all_reduce(x)\n\n\n"
+        "def log(x, rank):\n    if rank == 0:\n        sync(x)\n\n\n"
+        "def write(x):\n    if dist.get_rank() != 0:\n        return\n    dist.barrier()\n\n\n"
+        "def fine(x, rank):\n    dist.barrier()\n    if rank == 0:\n        print(x)\n"
+    )
+    assert collectives_on_rank_0(source) == ["log: sync", "write: barrier"]

@@ -117,13 +117,13 @@ def test_reference_logps_precomputed_or_online_give_the_same_run(toy, tmp_path):
     assert abs(first["rewards/chosen"]) < 1e-5 and abs(first["rewards/rejected"]) < 1e-5
     assert first["loss"] == pytest.approx((0 - 1 / (2 * 1.0)) ** 2, rel=1e-5)
     for key in first:
-        # the two modes group rows differently in padded batches: log-probs differ by float noise (1e-7), which the
-        # updates
-        # grow to 2e-5 relative by step 6 (a wrong reference row would be off by O(1)). rewards/accuracies compares two
+        # the two modes group rows differently in padded batches: the log-probs differ by float noise (1e-7 relative),
+        # which 6 updates at lr 3e-3 grow to about 1e-5 (1.3e-5 in rewards/rejected, on one CPU and head order): ten
+        # times that is allowed, while a wrong reference row would be off by O(0.1). rewards/accuracies compares two
         # rewards that are that noise at step 1: from step 2 on
         skip = {"tokens_per_second": 6, "rewards/accuracies": 1}.get(key, 0)
         online, precomputed = runs["--no-precompute-ref-logps"][skip:], runs["--precompute-ref-logps"][skip:]
-        assert [r[key] for r in online] == pytest.approx([r[key] for r in precomputed], rel=1e-4, abs=1e-5), key
+        assert [r[key] for r in online] == pytest.approx([r[key] for r in precomputed], rel=1e-3, abs=1e-4), key
     assert runs["--precompute-ref-logps"][-1]["loss"] < first["loss"] - 0.02  # the policy moved away from the reference
 
 
@@ -203,6 +203,6 @@ def test_label_smoothing_with_another_loss_stops_with_a_clear_message(toy, tmp_p
             0.1,
         ],
     )
-    assert isinstance(error, ValueError) and "--label_smoothing applies to --loss_type sigmoid only (got ipo)" in str(
+    assert isinstance(error, ValueError) and "--label_smoothing applies to --loss_type sigmoid only, not ipo" in str(
         error
     )

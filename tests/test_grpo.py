@@ -410,15 +410,14 @@ def test_tokenize_prompts_formats_and_drops(toy):
     dataset = Dataset.from_dict(
         {"prompt": ["sort: 21 ->", "", "sort: " + "9" * 40 + " ->"], "answer": ["12", "x", "y"]}
     )
-    data, dropped = tokenize_prompts(
-        dataset, tokenizer, SimpleNamespace(max_prompt_length=20, dataset_name="d"), "answer"
+    args = SimpleNamespace(
+        max_prompt_length=20, dataset_name="d", reward_fn="exact_match", prompt_column="prompt", answer_column="answer"
     )
+    data, dropped = tokenize_prompts(dataset, tokenizer, args)
     assert data == {"prompt": [tokenizer("sort: 21 ->")["input_ids"]], "answer": ["12"]}
     assert dropped == {"empty prompt": 1, "prompt too long": 1}
     conversational = Dataset.from_list([{"prompt": messages, "answer": "12"}])
-    data, _ = tokenize_prompts(
-        conversational, tokenizer, SimpleNamespace(max_prompt_length=20, dataset_name="d"), "answer"
-    )
+    data, _ = tokenize_prompts(conversational, tokenizer, args)
     assert tokenizer.decode(data["prompt"][0]) == "<|user|>sort: 21 -><|assistant|>"
 
 
@@ -433,8 +432,9 @@ def test_gsm8k_rows_become_prompts_with_the_readme_mapping(toy):
     data, dropped = tokenize_prompts(
         prompts,
         AutoTokenizer.from_pretrained(toy / "model"),
-        SimpleNamespace(max_prompt_length=2048, dataset_name="gsm8k"),
-        "answer",
+        SimpleNamespace(
+            max_prompt_length=2048, dataset_name="g", reward_fn="gsm8k", prompt_column="prompt", answer_column="answer"
+        ),
     )
     assert len(data["prompt"]) == 1319 and dropped == {"empty prompt": 0, "prompt too long": 0}
     assert all(verifier_reward(answer, answer, "gsm8k") == 1.0 for answer in data["answer"])
@@ -466,8 +466,8 @@ def test_bad_input(toy, tmp_path):
     what every script shares (formats, columns, dropped rows, tokenizer, model folders, reward model, batch sizes)."""
     (tmp_path / "no_answer.jsonl").write_text('{"prompt": "sort: 21 ->"}\n')
     for data, extra, message in [
-        (tmp_path / "no_answer.jsonl", [], "'answer' column for the verifier"),
-        (toy / "prompts", ["--num_generations", 3], "whole groups of num_generations"),
+        (tmp_path / "no_answer.jsonl", [], "and an 'answer' column (see --prompt_column, --answer_column)"),
+        (toy / "prompts", ["--num_generations", 3], "--num_generations 3: must be at least 2 and divide"),
         (toy / "prompts", ["--reward_fn", "None"], "no reward"),
     ]:
         error, _ = run_in_process("grpo.py", grpo_args(toy / "model", data, tmp_path / "out", *extra))
@@ -627,3 +627,12 @@ def test_grpo_raises_exact_match(toy, sft_model, tmp_path):
     # one iteration: the old policy is the current one, so the ratio is exactly 1 and nothing is clipped
     assert all(r["val/ratio"] == 1.0 and r["val/ratio_var"] == 0.0 and r["policy/clipfrac_avg"] == 0.0 for r in rows)
     assert "reward +" in result.stdout  # the sample table
+
+
+def test_verifier_numbers_are_whole_numbers():
+    """`#### 1e3` once scored right against 1 and `#### 2^4` against 2 (the number was cut out of a longer one), and
+    `#### **18**` (markdown bold) wrong against 18: a number is read whole, or not at all."""
+    assert verifier_reward("#### 1e3", "1", "gsm8k") == 0.0 and verifier_reward("#### 2^4", "2", "gsm8k") == 0.0
+    assert verifier_reward("#### **18**", "18", "gsm8k") == 1.0
+    assert verifier_reward("so 18.", "18", "last_number") == 1.0
+    assert verifier_reward("it is 1e3", "3", "last_number") == 0.0 and verifier_reward("2^4", "4", "last_number") == 0.0

@@ -231,8 +231,8 @@ def two_optimizers(toy, sft_model, reward_model, tmp_path_factory):
     for result in run_scripts(launches):  # both at once
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
         assert (
-            "2 rollouts of 16 prompts, each 2 epochs x 2 mini-batches of 8 completions "
-            "(1 processes x 4 per micro-batch x 2 accumulation)" in result.stdout
+            "2 rollouts of 16 prompts x 1, each 4 steps of 8"
+            in result.stdout
         )
     return {optimizer: read_metrics(root / optimizer) for optimizer in ("adam_tf", "adamw")}
 
@@ -266,8 +266,9 @@ def test_tf_adam_moves_the_policy_less_on_the_first_update(two_optimizers):
         f"clipfrac adam_tf {clipfrac['adam_tf']:.3g} adamw {clipfrac['adamw']:.3g}"
     )
     # measured: approxkl 0.0054 (adam_tf) vs 0.0127 (adamw). The gap depends on how many gradients are small next to
-    # epsilon: here 2.3x (1.5x with a reward model scaled to std 1), so the check asks for 1.2x
-    assert approxkl["adamw"] > 1.2 * approxkl["adam_tf"] > 0 and clipfrac["adamw"] > clipfrac["adam_tf"]
+    # epsilon: here 2.3x (1.5x with a reward model scaled to std 1), so the check asks for 1.2x. The clip fraction
+    # counts tokens: on another CPU the two counts tied, so it may only not be smaller
+    assert approxkl["adamw"] > 1.2 * approxkl["adam_tf"] > 0 and clipfrac["adamw"] >= clipfrac["adam_tf"]
 
 
 def greedy_reward(policy, reward, prompts_file):

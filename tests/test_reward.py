@@ -90,14 +90,20 @@ class A:
 
 def test_tokenize_preference_formats_margin_and_dropped_rows(toy):
     tok = AutoTokenizer.from_pretrained(toy / "model")
-    rows = {
-        "prompt": ["sort: 21 ->", "sort: 3 ->", "x" * 30, "sort: 4 ->"],
-        "chosen": [" 12", "", " 1", " 4" * 10],
-        "rejected": [" 21", " 3", " 2", " 5"],
-        "margin": [0.5, 0.0, 0.0, 1],
+    rows = {  # kept; empty; prompt too long; completion too long; no prompt; chosen = rejected (no preference)
+        "prompt": ["sort: 21 ->", "sort: 3 ->", "x" * 30, "sort: 4 ->", "", "sort: 5 ->"],
+        "chosen": [" 12", "", " 1", " 4" * 10, " 1", " 5"],
+        "rejected": [" 21", " 3", " 2", " 5", " 2", " 5"],
+        "margin": [0.5, 0.0, 0.0, 1, 0.0, 0.0],
     }
     data, dropped = tokenize_preference(datasets.Dataset.from_dict(rows), tok, A)
-    assert dropped == {"empty completion": 1, "prompt too long": 1, "completion too long": 1}
+    assert dropped == {
+        "empty completion": 1,
+        "prompt too long": 1,
+        "completion too long": 1,
+        "empty prompt": 1,
+        "chosen equals rejected": 1,
+    }
     assert [tok.decode(data[k][0]) for k in ("prompt", "chosen", "rejected")] == [
         "sort: 21 ->",
         " 12<|eos|>",
@@ -122,7 +128,7 @@ def test_tokenize_preference_formats_margin_and_dropped_rows(toy):
 def test_tokenize_preference_bad_input_names_the_problem(toy):
     tok = AutoTokenizer.from_pretrained(toy / "model")
     with pytest.raises(
-        ValueError, match=r"has columns \['prompt', 'completion'\], but preference data needs 'chosen' and 'rejected'"
+        ValueError, match=r"has columns \['prompt', 'completion'\]: preference data needs 'chosen' and 'rejected'"
     ):
         tokenize_preference(datasets.Dataset.from_dict({"prompt": ["a"], "completion": ["b"]}), tok, A)
     other = [{"role": "user", "content": "sort: 12 ->"}, {"role": "assistant", "content": " 12"}]

@@ -9,9 +9,9 @@ from conftest import read_metrics, reference_logprobs, run_script, tiny_gpt2
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sft import (
-    HeadLogprobs,
     completion_logprobs,
     global_batch,
+    head_logprobs,
     load_split,
     make_batch,
     rank_micro_batches,
@@ -55,10 +55,9 @@ def test_completion_logprobs_left_padding_and_temperature(temperature):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_head_logprobs_in_chunks_equal_autograd_through_the_whole_logits(monkeypatch, dtype, with_bias):
+def test_head_logprobs_in_chunks_equal_autograd_through_the_whole_logits(dtype, with_bias):
     """Log-probs, entropies and the gradients of hidden states, weight and bias, against autograd through
     log_softmax(logits.float() / T) over all rows at once; 10 rows in chunks of 3, 3, 3 and 1."""
-    monkeypatch.setattr(HeadLogprobs, "ROWS", 3)
     torch.manual_seed(0)
     hidden, weight, bias = torch.randn(10, 16), torch.randn(40, 16), torch.randn(40) if with_bias else None
     labels, upstream = torch.randint(0, 40, (10,)), torch.randn(10)  # upstream: an arbitrary gradient of the output
@@ -68,7 +67,7 @@ def test_head_logprobs_in_chunks_equal_autograd_through_the_whole_logits(monkeyp
         return log_p.gather(-1, labels[:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)
 
     def chunked(h, w, b=None):
-        return HeadLogprobs.apply(h, w, b, labels, 0.7, True)
+        return head_logprobs(h, w, b, labels, 0.7, rows=3)
 
     results = []
     for function in (plain, chunked):
@@ -84,17 +83,31 @@ def test_head_logprobs_in_chunks_equal_autograd_through_the_whole_logits(monkeyp
 
 
 def test_head_logprobs_keeps_no_vocabulary_sized_tensor_for_the_backward():
+    """Between the forward and the backward autograd holds nothing of size rows x vocabulary: each chunk's logits
+    are recomputed in the backward. The control, the plain expression, holds them; the same with the chunks left out
+    of torch.utils.checkpoint holds them too (so the hook does see what a chunk saves)."""
+    import sft
+
     torch.manual_seed(0)
     hidden, weight = torch.randn(64, 8, requires_grad=True), torch.randn(1000, 8, requires_grad=True)
     labels = torch.randint(0, 1000, (64,))
+    plain_checkpoint = lambda function, *args, **options: function(*args)  # noqa: E731
     for function, keeps_logits in (
         (lambda: torch.log_softmax(hidden @ weight.T, -1).gather(-1, labels[:, None]), True),  # the control
-        (lambda: HeadLogprobs.apply(hidden, weight, None, labels, 1.0, False)[0], False),
+        (lambda: head_logprobs(hidden, weight, None, labels, 1.0, rows=16)[0], False),
+        (lambda: head_logprobs(hidden, weight, None, labels, 1.0, rows=16)[0], "without checkpoint"),
     ):
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-            function()
-        assert (max(saved) >= 64 * 1000) == keeps_logits, saved
+            if keeps_logits == "without checkpoint":
+                original, sft.checkpoint = sft.checkpoint, plain_checkpoint
+                try:
+                    function()
+                finally:
+                    sft.checkpoint = original
+            else:
+                function()
+        assert (max(saved, default=0) >= 16 * 1000) == bool(keeps_logits), saved
 
 
 def test_completion_logprobs_refuses_a_head_that_is_not_linear():
@@ -138,7 +151,10 @@ def test_bad_rows_are_counted_not_silently_dropped(toy):
     import datasets
 
     tok = AutoTokenizer.from_pretrained(toy / "model")
-    rows = {"prompt": ["sort: 1 ->", "sort: 2 ->", "x" * 40, "sort: 3 ->"], "completion": [" 1", "", " 2", " 3" * 30]}
+    rows = {  # kept; empty completion; prompt too long; completion too long; empty prompt (no position to predict from)
+        "prompt": ["sort: 1 ->", "sort: 2 ->", "x" * 40, "sort: 3 ->", ""],
+        "completion": [" 1", "", " 2", " 3" * 30, " 7"],
+    }
 
     class A:
         dataset_name, max_prompt_length, max_completion_length = "rows", 20, 20
@@ -148,6 +164,7 @@ def test_bad_rows_are_counted_not_silently_dropped(toy):
         "empty completion": 1,
         "prompt too long": 1,
         "completion too long": 1,
+        "empty prompt": 1,
     }
     with pytest.raises(ValueError, match="needs a 'completion' column"):
         tokenize_sft(datasets.Dataset.from_dict({"prompt": ["a"], "answer": ["b"]}), tok, A)
@@ -244,7 +261,8 @@ def test_conversational_messages_dropped_rows_and_wandb(toy, tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # --track logged the run (offline)
     assert (
-        "train: 4 of 6 rows kept; dropped: {'empty completion': 1, 'prompt too long': 1, 'completion too long': 0}"
+        "train: 4 of 6 rows kept; dropped: {'empty completion': 1, 'prompt too long': 1, 'completion too long': 0, "
+        "'empty prompt': 0}"
         in result.stdout
     )
     assert len(read_metrics(tmp_path / "out")) == 2

@@ -117,7 +117,7 @@ def split_runs(request, toy, tmp_path_factory):
         launches.append((script, args, nproc))
     for result in run_scripts(launches):  # the three at once
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
-        assert "no split 'test': eval skipped" in result.stdout
+        assert "eval: no split 'test'" in result.stdout
     return script, model, root, runs, reward
 
 
@@ -143,12 +143,13 @@ def test_split_invariance(split_runs):
                 [r[key] for r, m in zip(rows, moved) if m or key != "rewards/accuracies"],
                 [r[key] for r, m in zip(ref_rows, moved) if m or key != "rewards/accuracies"],
             )
-            # ppo's approxkl and ratio variance square differences of log-probs, and ratio_min/max are one token's ratio
-            # (no average to smooth it): float noise in the log-probs of a policy that moved (approxkl 0.05) reaches
-            # 1.4e-4
-            # relative there by step 11
+            # float order's error in a mean scales with the magnitude of what it sums, not with the mean (rewards/
+            # rejected is a difference of scores of several units that can be near 0): relative to the metric's
+            # largest value over the run. ppo's approxkl and ratio variance square differences of log-probs, and
+            # ratio_min/max are one token's ratio (no average to smooth it): 1.4e-4 of their scale by step 11
             rel = 1e-3 if key in ("policy/approxkl_avg", "val/ratio_var", "val/ratio_min", "val/ratio_max") else 1e-4
-            assert got == pytest.approx(want, rel=rel, abs=1e-6), (script, split, key)
+            scale = max(abs(value) for value in want)
+            assert got == pytest.approx(want, rel=0, abs=rel * scale + 1e-6), (script, split, key)
         for name, value in params.items():
             torch.testing.assert_close(value, ref_params[name], atol=1e-5, rtol=1e-5, msg=f"{script} {split} {name}")
     # the runs did train: the weights moved far more than the tolerance, so the comparison is not between idle models
@@ -253,7 +254,7 @@ def test_sigterm_or_sigkill_then_resume_auto_continues_the_same_run(split_runs):
         assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a), message
     if script == "sft.py":
         result, out = results[-1], root / "one_process"
-        assert result.returncode == 0 and "resuming on 1 processes a run of 2" in result.stdout, (
+        assert result.returncode == 0 and "(written by 2 processes)" in result.stdout, (
             result.stdout[-2000:] + result.stderr[-8000:]
         )
         rows, want = read_metrics(out), read_metrics(straight)[6:]
