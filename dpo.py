@@ -311,7 +311,7 @@ def setup(args):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     auto, latest = args.resume_from == "auto", [(complete_checkpoints(args.output_dir) or [None])[-1]]
-    dist.broadcast_object_list(latest, src=0)  # the first process's view: the same for all
+    dist.broadcast_object_list(latest, src=0)  # the first process's view
     args.resume_from = latest[0] if auto else args.resume_from
     guard_run(args, auto)
     args.world_size = world_size
@@ -397,7 +397,7 @@ def tokenize_prompt_completion(tokenizer, prompt, completion):
     """Prompt and completion ids (EOS appended unless there), from strings or messages
     (the completion: what the chat template adds after the generation prompt)."""
     if isinstance(prompt, str):
-        prompt_ids = tokenizer(prompt)["input_ids"]  # special tokens (BOS) as the tokenizer adds them
+        prompt_ids = tokenizer(prompt)["input_ids"]  # with BOS, if the tokenizer adds one
     else:
         prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         full_text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
@@ -406,7 +406,7 @@ def tokenize_prompt_completion(tokenizer, prompt, completion):
         completion = full_text[len(prompt_text) :]
         prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]  # the template has them
     completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
-    # a template ends the turn itself, sometimes with text after EOS (Qwen: "<|im_end|>\n"): no second EOS then
+    # a template ends the turn itself, maybe with text after EOS (Qwen: "<|im_end|>\n"): no second EOS
     eos = tokenizer.eos_token_id
     if not (eos in completion_ids if not isinstance(prompt, str) else completion_ids[-1:] == [eos]):
         completion_ids = completion_ids + [eos]
@@ -529,9 +529,9 @@ def shard_model(model, args, device):
                 "mp_policy": MixedPrecisionPolicy(**mixed),
                 "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()}
     for module in model.modules():
-        if type(module).__name__ in (model._no_split_modules or []):  # HF's name for the decoder layer classes
+        if type(module).__name__ in (model._no_split_modules or []):  # the decoder layers
             fully_shard(module, reshard_after_forward=args.reshard_after_forward, **policies)
-    fully_shard(model, **policies)  # the root keeps its own default: it runs first in the backward
+    fully_shard(model, **policies)  # the root keeps its default: it runs first in the backward
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -683,7 +683,7 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state):
                 json.dump({"step": step, "args": vars(args), "files": files}, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            shutil.rmtree(path, ignore_errors=True)  # a run restarted into its output_dir overwrites its old step
+            shutil.rmtree(path, ignore_errors=True)  # a restarted run overwrites its old step
             os.replace(f"{path}.tmp", path)
     except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # DCP gathers every rank's errors
         raise checkpoint_error(path, step, args, e) from e
@@ -737,7 +737,7 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
 def save_hf_model(model, tokenizer, output_dir):
     """Gather the full weights on rank 0 (a collective) and write a Hugging Face folder."""
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    first_name = {}  # tied parameters (embeddings = head) come back as copies: keep the first name only
+    first_name = {}  # tied parameters (embeddings = head) come back as copies: keep one
     for name, param in model.named_parameters(remove_duplicate=False):
         if first_name.setdefault(id(param), name) != name:
             state_dict.pop(name, None)
@@ -759,13 +759,12 @@ def finish(model, tokenizer, args, device):
             import wandb
 
             wandb.finish()
-    dist.barrier()  # no rank tears gloo/nccl down while another still communicates
+    dist.barrier()  # no rank tears the group down while another still communicates
     dist.destroy_process_group()
     while OUTPUT_DIR_LOCK:  # the folder is free for the next run
         OUTPUT_DIR_LOCK.pop().close()
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # Guards: what only refuses bad input or protects a run, each reached by one call from the plumbing or main.
 class ScriptError(ValueError):
     """An error raised on purpose: its message names the problem, where, and the fix."""
@@ -793,7 +792,7 @@ def report_error(kind, error, traceback):
     os._exit(2)
 
 
-# numeric arguments that cannot be meant outside these ranges: (flags, what they must be, the check)
+# (flags, what they must be, the check)
 ARGUMENT_RULES = [
     (["num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size",
       "log_every", "max_prompt_length", "max_completion_length", "num_mini_batches", "num_iterations", "num_ppo_epochs",
@@ -815,10 +814,10 @@ def check_arguments(args):
                 raise ScriptError(f"--{name} {getattr(args, name)}: must be {allowed}")
 
 
-RUN_FILES = ("metrics.jsonl", "checkpoints", "model.safetensors", "model.safetensors.index.json")  # a run's own
+RUN_FILES = ("metrics.jsonl", "checkpoints", "model.safetensors", "model.safetensors.index.json")
 
 
-OUTPUT_DIR_LOCK = []  # the first process's open output_dir/.lock while the run lives
+OUTPUT_DIR_LOCK = []  # the first process's open output_dir/.lock
 
 
 def claim_output_dir(args, auto):
@@ -916,7 +915,7 @@ def check_local_path(path, what, auto_class=None):
 
 def loading_error(auto_class, path, flag, error):
     """Why a model or tokenizer does not load: a damaged file, no such name, or the library's reason."""
-    if isinstance(error, SafetensorError):  # e.g. "incomplete metadata, file not fully covered": a file cut short
+    if isinstance(error, SafetensorError):  # e.g. a file cut short
         return ScriptError(f"{flag} {path!r}: a weights file there is damaged ({error}); copy it again")
     if not os.path.exists(path):
         return ScriptError(f"{flag} {path!r}: no such folder, nor on the hub ({str(error).splitlines()[0]})")
@@ -943,7 +942,7 @@ def check_tokenizer(tokenizer, args):
                               f"{' (HF made one up)' if made_up else ''}: set one in its tokenizer_config.json")
 
 
-DATASETS_METADATA = {"dataset_infos.json", "dataset_info.json", "state.json", "dataset_dict.json"}  # datasets' own
+DATASETS_METADATA = {"dataset_infos.json", "dataset_info.json", "state.json", "dataset_dict.json"}
 
 
 def check_split_files(folder, splits):
@@ -979,7 +978,7 @@ def data_file_problem(path):
     return None
 
 
-ROLES = ("system", "developer", "user", "assistant", "tool")  # the roles of a conversation's messages
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def check_columns(dataset, args, split, tokenizer):
@@ -1053,7 +1052,7 @@ def checkpoint_error(path, step, args, error):
                        f"checkpoint, {last}, is kept: make room, then --resume_from auto")
 
 
-# arguments that may change when a run resumes: where it logs, how often, and how the same global batch is split
+# arguments a resumed run may change: where and how often it logs, how the global batch is split
 RESUMABLE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "overwrite_output_dir",
              "resume_from", "log_every", "eval_every", "save_every", "keep_last", "skip_nonfinite",
              "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size",

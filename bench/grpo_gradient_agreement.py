@@ -27,7 +27,8 @@ tok = AutoTokenizer.from_pretrained(sys.argv[1])
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 rows = [json.loads(l) for l in open("toy/prompts/train.jsonl")]
 args = SimpleNamespace(
-    epsilon=0.2, epsilon_high=0.2, beta=0.0, kl_estimator="k3", loss_type="token", max_completion_length=10
+    epsilon=0.2, epsilon_high=0.2, beta=0.0, kl_estimator="k3", loss_type="token", max_completion_length=10,
+    advantage_estimator="grpo", scale_rewards="group", importance_sampling_level="token", policy_loss="clip",
 )
 T = float(sys.argv[2])
 
@@ -39,8 +40,8 @@ def grad(prompt_rows, seed):
     comps = generate_completions(model, prompts, 10, T, tok.eos_token_id, tok.pad_token_id)
     texts = tok.batch_decode(comps, skip_special_tokens=True)
     r = torch.tensor([verifier_reward(t, a, "exact_match") for t, a in zip(texts, answers)])
-    adv, _ = group_advantages(r, 8, "group")
     ids, am, cm = make_batch(prompts, comps, tok.pad_token_id)
+    adv, _ = group_advantages(r, cm.sum(1), 8, args)
     model.zero_grad()
     lp = completion_logprobs(model, ids, am, cm.shape[1], T)
     loss, _, _ = grpo_loss(lp, lp.detach(), None, adv, cm.float(), loss_normaliser(cm.float(), args), args)

@@ -118,6 +118,10 @@ def split_runs(request, toy, tmp_path_factory):
     for result in run_scripts(launches):  # the three at once
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
         assert "eval: no split 'test'" in result.stdout
+        # no FSDP2 warning about views (completion_logprobs hooks the decoder instead of output_hidden_states), and no
+        # progress bar in a log file (stderr is not a terminal here): the metric lines alone
+        assert "can cause backward to fail" not in result.stderr
+        assert not re.search(rf"{script[:-3]}: +\d+%\|", result.stderr), result.stderr[-2000:]
     return script, model, root, runs, reward
 
 
