@@ -1117,8 +1117,9 @@ def request_stop(signum, frame):
 def guard_step(loss, grad_norm, step, args, state):
     """One all-reduce: a non-finite loss or norm anywhere skips the update (--skip_nonfinite times),
     a signal anywhere stops the run. Returns (update, stop)."""
-    flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(grad_norm), torch.tensor(bool(STOP_SIGNALS))]).float()
-    dist.all_reduce(flags.to(grad_norm.device), op=dist.ReduceOp.MAX)
+    flags = torch.stack([(~torch.isfinite(loss)).float(), (~torch.isfinite(grad_norm)).float(),
+                         torch.tensor(float(bool(STOP_SIGNALS)), device=grad_norm.device)])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     bad_loss, bad_norm, stop = flags.tolist()
     if bad_loss or bad_norm:
         what = " and ".join(name for name, bad in [("loss", bad_loss), ("grad_norm", bad_norm)] if bad)
