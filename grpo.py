@@ -1,10 +1,9 @@
 """Group Relative Policy Optimization (GRPO) in one file: sample a group of completions per prompt, score them (a
-verifier and/or a reward model), use each reward relative to its group as the advantage of every token of the
-completion, and optimise PPO's clipped surrogate with a KL penalty to the reference model in the loss. No value model.
+verifier and/or a reward model), use each reward relative to its group as the advantage of all the completion's
+tokens, and optimise PPO's clipped surrogate with a KL penalty to the reference model in the loss. No value model.
 Paper: arXiv:2402.03300 (DeepSeekMath, Sec. 4.1). Variants, a flag or two each (README): DAPO, Dr. GRPO, GSPO, CISPO,
-RLOO, REINFORCE++. Unlike the paper: (1) --loss_type token (DAPO) is the default, the paper's is sequence; (2) outcome
-rewards only; (3) a group of equal rewards gets exactly 0 advantage; (4) rollouts depend on the seed, the rollout and
-the generation chunk, not on the number of processes.
+RLOO, REINFORCE++. Unlike the paper: --loss_type token (DAPO) is the default; outcome rewards only; a group of equal
+rewards gets exactly 0 advantage; rollouts do not depend on the number of processes.
 Run:  torchrun --nproc_per_node 2 grpo.py --model_name_or_path runs/sft --dataset_name toy/prompts --max_steps 30 \
           --output_dir runs/grpo --learning_rate 1e-4 --gradient_accumulation_steps 4 --max_completion_length 10
       torchrun --nproc_per_node 8 grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
@@ -41,8 +40,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from tqdm import tqdm
 from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           GenerationConfig, get_scheduler)
 from tyro.conf import Suppress
@@ -142,7 +141,7 @@ class Args:
     max_completion_length: int = 256
     """new tokens per completion (one without EOS by then is truncated)"""
     num_generations: int = 8
-    """completions per prompt: the group whose rewards are compared (G in the paper)"""
+    """completions per prompt: the group whose rewards are compared (G)"""
     num_mini_batches: int = 1
     """optimizer steps per pass over a rollout"""
     num_iterations: int = 1
@@ -176,9 +175,9 @@ class Args:
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """grpo: divide r - group mean by the std of the group, of the rollout (batch), or not (none: Dr. GRPO)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
-    """token: a ratio pi / pi_old per token; sequence: one per completion (GSPO, arXiv:2507.18071)"""
+    """token: a ratio pi / pi_old per token; sequence: one per completion (GSPO)"""
     policy_loss: Literal["clip", "cispo"] = "clip"
-    """clip: PPO's clipped surrogate; cispo: the clipped weight times A log pi (CISPO, arXiv:2506.13585)"""
+    """clip: PPO's clipped surrogate; cispo: the clipped weight times A log pi (CISPO)"""
     epsilon: float = 0.2
     """the ratio pi / pi_old is clipped to [1 - epsilon, 1 + epsilon_high]"""
     epsilon_high: Optional[float] = None
@@ -196,15 +195,15 @@ NUMBER = r"(?<![\d.,/^eE])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d,.]?\d|/\d
 
 
 def parse_answer(text, reward_fn):
-    """The final answer of a text as a Decimal (18 = 18.0), or None: for gsm8k the number after '#### ' (GSM8K's answer
-    line; thousands separators, a $ and markdown bold allowed), otherwise the last number in the text."""
+    """The final answer of a text as a Decimal (18 = 18.0), or None: gsm8k, the number after '#### ' (thousands
+    separators, a $ and markdown bold allowed); otherwise the last number in the text."""
     found = re.findall(rf"####[\s*$]*({NUMBER})" if reward_fn == "gsm8k" else NUMBER, text)
     return decimal.Decimal(found[0 if reward_fn == "gsm8k" else -1].replace(",", "")) if found else None
 
 
 def verifier_reward(completion, answer, reward_fn):
-    """1.0 if the completion's answer is right, else 0.0. exact_match: the stripped texts are equal; last_number: the
-    completion's last number is the answer's; gsm8k: the number after '####' is. The answer may be a GSM8K solution."""
+    """1.0 if the completion's answer is right, else 0.0: exact_match compares the stripped texts, last_number and
+    gsm8k the parsed answers. The answer may be a whole GSM8K solution."""
     if reward_fn == "exact_match":
         return float(completion.strip() == answer.strip())
     got = parse_answer(completion, reward_fn)
@@ -212,13 +211,12 @@ def verifier_reward(completion, answer, reward_fn):
 
 
 def group_advantages(rewards, num_tokens, num_generations, args):
-    """One advantage per completion, for each of its tokens (outcome supervision, Sec. 4.1.2 of arXiv:2402.03300).
-    grpo: (r - group mean) / (std + 1e-4), the sample std of the group, of the rollout (batch) or none (Dr. GRPO: the
-    std up-weights prompts almost always or never solved). rloo: r - the mean of the other G - 1 (arXiv:2402.14740),
-    G / (G - 1) (r - group mean). Both give a group of equal rewards exactly 0. reinforce_plus_plus: r whitened over the
-    rollout's tokens (arXiv:2501.03262); _baseline: r - group mean, then whitened (verl's masked_whiten: each completion
-    weighted by its `num_tokens`). Groups are consecutive rows. Returns the advantages and, per group, whether all its
-    rewards are equal."""
+    """One advantage per completion, for each of its tokens (outcome supervision, Sec. 4.1.2 of arXiv:2402.03300),
+    groups being consecutive rows. grpo: (r - group mean) / (std + 1e-4), the sample std of the group, of the rollout
+    (batch) or none (Dr. GRPO). rloo: r - the mean of the other G - 1 (arXiv:2402.14740). Both give a group of equal
+    rewards exactly 0. reinforce_plus_plus: r whitened over the rollout's tokens (arXiv:2501.03262); _baseline:
+    r - group mean, then whitened (each completion weighted by its `num_tokens`, as verl's masked_whiten).
+    Returns the advantages and, per group, whether all its rewards are equal."""
     groups = rewards.view(-1, num_generations)
     zero_std = groups.max(1).values == groups.min(1).values
     advantages = groups - groups.mean(1, keepdim=True)
@@ -228,7 +226,7 @@ def group_advantages(rewards, num_tokens, num_generations, args):
         mean = (w * x).sum() / w.sum().clamp(min=1)
         variance = (w * (x - mean) ** 2).sum() / (w.sum() - 1).clamp(min=1)
         return ((x - mean) * torch.rsqrt(variance + 1e-8)).to(rewards.dtype), zero_std
-    if args.advantage_estimator == "rloo":
+    if args.advantage_estimator == "rloo":  # G / (G - 1) (r - group mean)
         advantages = advantages * num_generations / (num_generations - 1)
     elif args.scale_rewards == "group":
         advantages = advantages / (groups.std(1, keepdim=True) + 1e-4)
@@ -253,9 +251,9 @@ def kl_estimate(logps, ref_logps, old_logps, kl_estimator):
 
 
 def loss_normaliser(completion_mask, args):
-    """What the summed loss of a global mini-batch is divided by, counted over all of it (every process and
-    accumulation step) so that the split does not change the update. token: its completion tokens (Eq. 12 of
-    arXiv:2503.14476); sequence: its completions with a token in the loss; constant: completions x max length."""
+    """What a global mini-batch's summed loss is divided by, counted over all of it so that its split over processes
+    and accumulation steps does not change the update. token: its completion tokens (Eq. 12 of arXiv:2503.14476);
+    sequence: its completions with a token in the loss; constant: completions x max length."""
     if args.loss_type == "token":
         return completion_mask.sum().clamp(min=1)
     if args.loss_type == "sequence":
@@ -266,7 +264,7 @@ def loss_normaliser(completion_mask, args):
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, args):
     """Eq. 3 of arXiv:2402.03300 as a loss: per token -min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A) (or
     CISPO's) + beta KL, ratio = pi / pi_old (per token, or GSPO's per completion), summed over `mask` (sequence: each
-    completion's sum over its length), over the global mini-batch's loss_normaliser. Returns it, ratio, policy loss."""
+    completion's mean), over loss_normaliser. Returns it, the ratio and the policy loss."""
     log_ratio, A = logps - old_logps, advantages[:, None]
     if args.importance_sampling_level == "sequence":  # GSPO, Eq. 7 of arXiv:2507.18071: one ratio per completion
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
@@ -275,26 +273,24 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, args):
         policy_loss = -ratio.clamp(max=1 + args.epsilon_high).detach() * A * logps
     else:
         policy_loss = -torch.min(ratio * A, ratio.clamp(1 - args.epsilon, 1 + args.epsilon_high) * A)
-    kl = args.beta * kl_estimate(logps, ref_logps, old_logps, args.kl_estimator) if args.beta > 0 else 0.0
-    per_token = policy_loss + kl
+    per_token = policy_loss + (args.beta * kl_estimate(logps, ref_logps, old_logps, args.kl_estimator)
+                               if args.beta > 0 else 0.0)
     if args.loss_type == "sequence":
         return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / normaliser, ratio, policy_loss
     return (per_token * mask).sum() / normaliser, ratio, policy_loss
 
 
 def rewards_of(prompts, completions, answers, reward_model, tokenizer, pad_token_id, args):
-    """reward_fn_weight x verifier + reward_model_weight x reward model score - missing_eos_penalty x (no EOS). With
-    a reward model, a collective: every rank calls it as often."""
+    """reward_fn_weight x verifier + reward_model_weight x reward model score - missing_eos_penalty x (no EOS).
+    With a reward model, a collective: every rank calls it as often."""
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-    rewards = [args.reward_fn_weight * verifier_reward(t, a, args.reward_fn) if args.reward_fn else 0.0
-               for t, a in zip(texts, answers)]
-    rewards = torch.tensor(rewards) - args.missing_eos_penalty * torch.tensor([c[-1] != tokenizer.eos_token_id
-                                                                               for c in completions]).float()
+    rewards = torch.tensor([args.reward_fn_weight * verifier_reward(t, a, args.reward_fn) if args.reward_fn else 0.0
+                            for t, a in zip(texts, answers)])
+    rewards -= args.missing_eos_penalty * torch.tensor([c[-1] != tokenizer.eos_token_id for c in completions]).float()
     if reward_model is not None:
-        ids, mask, _ = make_batch(prompts, completions, pad_token_id)
         device = next(reward_model.parameters()).device
-        rewards = rewards.to(device) + args.reward_model_weight * sequence_scores(reward_model, ids.to(device),
-                                                                                  mask.to(device))
+        ids, mask, _ = [t.to(device) for t in make_batch(prompts, completions, pad_token_id)]
+        rewards = rewards.to(device) + args.reward_model_weight * sequence_scores(reward_model, ids, mask)
     return rewards
 
 
@@ -308,8 +304,8 @@ def evaluate(model, reward_model, test, tokenizer, pad_token_id, args):
             prompts, answers = [test["prompt"][i] for i in rows], [test["answer"][i] for i in rows]
             completions = generate_completions(model, prompts, args.max_completion_length, None,
                                                tokenizer.eos_token_id, pad_token_id, args.cache_implementation)
-            total += valid * rewards_of(prompts, completions, answers, reward_model, tokenizer, pad_token_id,
-                                        args).sum().to(total.device)
+            rewards = rewards_of(prompts, completions, answers, reward_model, tokenizer, pad_token_id, args)
+            total += valid * rewards.sum().to(total.device)
     dist.all_reduce(total)
     return {"eval/scores": total.item() / len(test["prompt"])}
 
@@ -339,23 +335,23 @@ def score_rollout(model, ref_model, reward_model, rollout, tokenizer, pad_token_
 
 
 def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token_id):
-    """One optimizer step's gradients from this rank's micro-batches of the global mini-batch `mini` (each loss over
-    the whole mini-batch's normaliser), statistics summed into `sums`. Returns this rank's part of the loss."""
+    """One optimizer step's gradients from this rank's micro-batches of the global mini-batch `mini`, statistics
+    summed into `sums`. Returns this rank's part of the loss."""
     device, step_loss = next(model.parameters()).device, 0.0
     for micro in micro_batches(mini, args):
         input_ids, attention_mask, completion_mask = batch_on(device, rollout["prompts"], rollout["completions"], micro,
                                                               pad_token_id)
         width = completion_mask.shape[1]
-        mask = rollout["loss_mask"][micro, :width]
+        mask, A = rollout["loss_mask"][micro, :width], rollout["advantages"][micro]
         logps, entropy = completion_logprobs(model, input_ids, attention_mask, width, args.temperature, True)
         old = rollout["old_logps"][micro, :width] if rollout["old_logps"] is not None else logps.detach()
         ref = rollout["ref_logps"][micro, :width] if rollout["ref_logps"] is not None else None
-        A = rollout["advantages"][micro, None]
-        loss, ratio, policy_loss = grpo_loss(logps, old, ref, A[:, 0], mask, normaliser, args)
+        loss, ratio, policy_loss = grpo_loss(logps, old, ref, A, mask, normaliser, args)
         loss.backward()
         step_loss += loss.detach()
         with torch.no_grad():  # sums over the tokens in the loss, under their metric names (window_metrics)
             kl = kl_estimate(logps, ref, old, "k3") if ref is not None else 0 * logps  # k3 whatever the loss uses
+            A = A[:, None]
             token_stats = {"loss/policy_avg": policy_loss, "policy/approxkl_avg": 0.5 * (logps - old) ** 2,
                            "objective/entropy": entropy, "val/ratio": ratio, "ratio_squared": ratio**2,
                            "clip_ratio/low": (ratio < 1 - args.epsilon) & (A < 0) & (args.policy_loss == "clip"),
@@ -369,11 +365,11 @@ def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token
 
 
 def window_metrics(w, steps, seconds, args):
-    """The metrics of the optimizer steps since the last log line, from their sums over ranks: the token statistics
-    (accumulate_gradients) per token in the loss, the KL per completion, the rest (loss, rollouts') per step."""
+    """The metrics of the steps since the last log line, from their sums over ranks: the token statistics
+    (accumulate_gradients) per token in the loss, the KL per completion, the rest per step."""
     tokens, per_token = max(w.pop("tokens"), 1.0), ("loss/", "policy/", "objective/entropy", "val/", "ratio_", "clip")
-    metrics = {"tokens_per_second": w.pop("processed") / seconds, "objective/kl": w.pop("objective/kl") / steps /
-               args.batch_size}
+    metrics = {"tokens_per_second": w.pop("processed") / seconds,
+               "objective/kl": w.pop("objective/kl") / steps / args.batch_size}
     metrics |= {name: value / (tokens if name.startswith(per_token) else steps) for name, value in w.items()}
     metrics["policy/clipfrac_avg"] = metrics["clip_ratio/low"] + metrics["clip_ratio/high"]
     metrics["val/ratio_var"] = metrics.pop("ratio_squared") - metrics["val/ratio"] ** 2
@@ -404,7 +400,7 @@ def main(args):
     args.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     if G < 2 or args.rollout_batch_size % G:
         raise ScriptError(f"--num_generations {G}: must be at least 2 and divide the {args.rollout_batch_size} "
-                          "completions of a rollout (batch_size x num_mini_batches), which holds whole groups")
+                          "completions of a rollout (batch_size x num_mini_batches)")
     if args.reward_fn is None and args.reward_model_path is None:
         raise ScriptError("no reward: set --reward_fn, --reward_model_path, or both")
     if args.scale_rewards != "group" and args.advantage_estimator != "grpo":
@@ -416,10 +412,10 @@ def main(args):
     num_rollouts, steps_per_rollout = rollouts_of(len(train["prompt"]), G, args.num_iterations, args, dropped)
 
     # 3. models + FSDP2: the policy, then the frozen reference (the same SFT model) and reward model
-    model = load_trained(AutoModelForCausalLM, args.model_name_or_path, args, "--model_name_or_path", device)
-    ref_model = reward_model = None
+    path, flag, ref_model, reward_model = args.model_name_or_path, "--model_name_or_path", None, None
+    model = load_model(AutoModelForCausalLM, path, args, flag, device)
     if args.beta > 0:  # with beta 0 the KL term is gone, and so is the reference model
-        ref_model = load_frozen(AutoModelForCausalLM, args.model_name_or_path, args, "--model_name_or_path", device)
+        ref_model = load_model(AutoModelForCausalLM, path, args, flag, device, frozen=True)
     if args.reward_model_path:
         reward_model = load_reward_model(args, tokenizer, device)
 
@@ -487,13 +483,11 @@ def main(args):
 # Infrastructure: identical in every script that has it (tests/test_consistency.py). Skip it on a first read.
 def setup(args):
     """Distributed init (one process under plain `python`), the guards, batch sizes, seeds."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    alone = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-    dist.init_process_group(backend, **alone)
+    gpu, alone = torch.cuda.is_available(), {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    dist.init_process_group("nccl" if gpu else "gloo", **({} if "RANK" in os.environ else alone))
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
+    if gpu:
         torch.cuda.set_device(device)
     auto, latest = args.resume_from == "auto", [(complete_checkpoints(args.output_dir) or [None])[-1]]
     dist.broadcast_object_list(latest, src=0)  # the first process's view
@@ -508,7 +502,7 @@ def setup(args):
 
 
 def load_tokenizer(args):
-    """The policy's tokenizer and pad id (EOS if none: masks come from lengths)."""
+    """The tokenizer and pad id (EOS if none: masks come from lengths)."""
     tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
     check_tokenizer(tokenizer, args)
     return tokenizer, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -531,11 +525,11 @@ def load_data(args, tokenizer, tokenize):
 
 
 DATA_EXTENSIONS = tuple(kind + packing for kind in (".json", ".jsonl", ".parquet", ".csv")
-                        for packing in ("", ".gz", ".bz2", ".xz", ".zst"))  # datasets reads them compressed too
+                        for packing in ("", ".gz", ".bz2", ".xz", ".zst"))
 
 
 def load_split(name, split):
-    """A split of a hub dataset, folder or file (its train split), or None; a split may name a file."""
+    """A split of a hub dataset, folder or file (its train split), or None; a split may be a file."""
     check_local_path(name, "dataset")
     if split.endswith(DATA_EXTENSIONS) and os.path.isfile(split):
         return load_file(split)
@@ -553,9 +547,8 @@ def load_split(name, split):
         if "Unknown split" not in str(e):
             raise
     except datasets.exceptions.DatasetGenerationError as e:  # the files of one split differ in their columns
-        names = [os.path.basename(f) for f in files.get(split, [])]
-        raise ScriptError(f"dataset {name!r}, split {split!r} {names} does not load ({e.__cause__ or e}): name one "
-                          "file as the split (its name without extension)") from e
+        raise ScriptError(f"dataset {name!r}, split {split!r} does not load ({e.__cause__ or e}): name one file as "
+                          "the split (its name without extension)") from e
     except FileNotFoundError as e:
         raise ScriptError(f"dataset {name!r}: no such file or folder, nor on the hub ({e})") from e
 
@@ -563,7 +556,7 @@ def load_split(name, split):
 def load_file(path):
     """A local .json/.jsonl/.parquet/.csv file as a dataset."""
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(path.split(".")[-1])
-    if builder is None:
+    if not builder:
         raise ScriptError(f"dataset file {path!r}: unknown format; give a .json, .jsonl, .parquet or .csv file")
     try:
         return datasets.load_dataset(builder, data_files=path, split="train")
@@ -605,10 +598,10 @@ def tokenize_prompts(dataset, tokenizer, args):
 def rollouts_of(num_prompts, generations, passes, args, dropped):
     """Set num_training_steps: rollouts of `passes` x num_mini_batches optimizer steps."""
     steps_per_rollout = passes * args.num_mini_batches
-    for flag, value in (("--max_steps", args.max_steps), ("--save_every", args.save_every)):
-        if value > 0 and value % steps_per_rollout:
-            raise ScriptError(f"{flag} {value}: must be a multiple of the {steps_per_rollout} optimizer steps of a "
-                              "rollout")
+    for flag in ("max_steps", "save_every"):
+        if getattr(args, flag) > 0 and getattr(args, flag) % steps_per_rollout:
+            raise ScriptError(f"--{flag} {getattr(args, flag)}: must be a multiple of the {steps_per_rollout} "
+                              "optimizer steps of a rollout")
     prompts_per_rollout = args.rollout_batch_size // generations
     if num_prompts < prompts_per_rollout:
         raise ScriptError(f"{num_prompts} training prompts (dropped: {dropped}) cannot fill a rollout of "
@@ -638,8 +631,8 @@ def micro_batches(batch, args):
 
 
 def rank_micro_batches(num_rows, rank, world_size, size):
-    """This rank's share of the rows, as many micro-batches on every rank (FSDP forwards are
-    collectives): a rank out of rows gets row 0 with valid=False."""
+    """This rank's share of the rows in as many micro-batches on every rank (FSDP forwards are
+    collectives): a rank out of rows gets row 0, valid False."""
     share = list(range(rank, num_rows, world_size))
     for start in range(0, math.ceil(num_rows / world_size), size):
         rows = share[start : start + size]
@@ -656,10 +649,9 @@ def pad(sequences, value, side):
 def make_batch(prompts, completions, pad_token_id):
     """[left-padded prompts | right-padded completions], masks from the lengths, never from pad_token_id
     (EOS stays in the loss when pad == eos)."""
-    ones = [[1] * len(s) for s in prompts], [[1] * len(s) for s in completions]
     input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
-    completion_mask = pad(ones[1], 0, "right")
-    return input_ids, torch.cat([pad(ones[0], 0, "left"), completion_mask], 1), completion_mask
+    completion_mask = pad([[1] * len(c) for c in completions], 0, "right")
+    return input_ids, torch.cat([pad([[1] * len(p) for p in prompts], 0, "left"), completion_mask], 1), completion_mask
 
 
 def batch_on(device, prompts, completions, rows, pad_token_id):
@@ -671,15 +663,15 @@ def batch_on(device, prompts, completions, rows, pad_token_id):
 def load_pretrained(auto_class, path, args, flag):
     """auto_class.from_pretrained(path), a model in fp32; refused naming `flag`."""
     check_local_path(path, flag, auto_class)
-    options = {} if auto_class is AutoTokenizer else {"dtype": torch.float32, "output_loading_info": True}
+    model = auto_class is not AutoTokenizer
+    options = {"dtype": torch.float32, "output_loading_info": True} if model else {}
     try:
         loaded = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **options)
     except (OSError, ValueError, SafetensorError) as e:
         raise loading_error(auto_class, path, flag, e) from e
-    if auto_class is AutoTokenizer:
-        return loaded
-    check_weights(*loaded, path, flag)
-    return loaded[0]
+    if model:
+        check_weights(*loaded, path, flag)
+    return loaded[0] if model else loaded
 
 
 def disable_dropout(model):
@@ -689,14 +681,16 @@ def disable_dropout(model):
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0
+    return model
 
 
 def shard_model(model, args, device):
     """FSDP2: each decoder layer, then the root; gradients summed (each loss is a global mean already)."""
-    bf16 = args.bf16 and device.type == "cuda"
-    mixed = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
+    if args.gradient_checkpointing:  # it acts in training mode only: not on frozen models
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if args.bf16 and device.type == "cuda" else {}
     policies = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)),
-                "mp_policy": MixedPrecisionPolicy(**mixed),
+                "mp_policy": MixedPrecisionPolicy(**bf16),
                 "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()}
     for module in model.modules():
         if type(module).__name__ in (model._no_split_modules or []):  # the decoder layers
@@ -709,28 +703,18 @@ def shard_model(model, args, device):
     return model
 
 
-def load_trained(auto_class, path, args, flag, device):
-    """A model to train: dropout off, sharded."""
-    model = load_pretrained(auto_class, path, args, flag)
-    disable_dropout(model)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return shard_model(model, args, device)
-
-
-def load_frozen(auto_class, path, args, flag, device):
-    """A model not trained (reference, reward): dropout off, no gradients, sharded."""
-    model = load_pretrained(auto_class, path, args, flag)
-    disable_dropout(model.requires_grad_(False).eval())
-    return shard_model(model, args, device)
+def load_model(auto_class, path, args, flag, device, frozen=False):
+    """A model sharded, dropout off; frozen (a reference, a reward model): no gradients."""
+    model = disable_dropout(load_pretrained(auto_class, path, args, flag))
+    return shard_model(model.requires_grad_(False).eval() if frozen else model, args, device)
 
 
 def load_reward_model(args, tokenizer, device):
     """The frozen reward model; its tokenizer must be the policy's (it is fed the policy's ids)."""
-    reward_tokenizer = load_pretrained(AutoTokenizer, args.reward_model_path, args, "--reward_model_path")
-    if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise ScriptError(f"--reward_model_path {args.reward_model_path}: its tokenizer is not the policy's")
-    return load_frozen(AutoModelForSequenceClassification, args.reward_model_path, args, "--reward_model_path", device)
+    path, flag = args.reward_model_path, "--reward_model_path"
+    if load_pretrained(AutoTokenizer, path, args, flag).get_vocab() != tokenizer.get_vocab():
+        raise ScriptError(f"{flag} {path}: its tokenizer is not the policy's")
+    return load_model(AutoModelForSequenceClassification, path, args, flag, device, frozen=True)
 
 
 def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
@@ -768,15 +752,20 @@ def last_token_index(attention_mask):
     return (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(1)
 
 
-def sequence_scores(model, input_ids, attention_mask):
-    """Reward-model score at each row's last real token, plus the config's score_bias."""
-    outputs = []
-    hook = model.score.register_forward_hook(lambda module, inputs, output: outputs.append(output))
+def head_scores(model, input_ids, attention_mask):
+    """A reward or value model's score at every position, plus the config's score_bias (see reward.py)."""
+    scores = []
+    hook = model.score.register_forward_hook(lambda module, inputs, output: scores.append(output[..., 0].float()))
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     hook.remove()
+    return scores[0] + getattr(model.config, "score_bias", 0.0)
+
+
+def sequence_scores(model, input_ids, attention_mask):
+    """A reward model's score at each row's last real token."""
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    return outputs[0][rows, last_token_index(attention_mask), 0].float() + getattr(model.config, "score_bias", 0.0)
+    return head_scores(model, input_ids, attention_mask)[rows, last_token_index(attention_mask)]
 
 
 def make_optimizer(model, args):
@@ -786,13 +775,11 @@ def make_optimizer(model, args):
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon,
                                       weight_decay=args.weight_decay, fused=True)
-    warmup = math.ceil(args.warmup_ratio * args.num_training_steps)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                              num_training_steps=args.num_training_steps)
-    start_step, state = 0, {"skipped": []}
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_training_steps),
+                              args.num_training_steps)
     if args.resume_from:
-        start_step, state = load_checkpoint(args.resume_from, model, optimizer, scheduler, args)
-    return optimizer, scheduler, start_step, state
+        return optimizer, scheduler, *load_checkpoint(args.resume_from, model, optimizer, scheduler, args)
+    return optimizer, scheduler, 0, {"skipped": []}
 
 
 def open_metrics(args, start_step):
@@ -840,14 +827,14 @@ def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_
         extra = -input_ids.shape[1] % 64
         input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad_token_id)
         attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0), value=0)
-    # exactly the log-probs' distribution: not the folder's generation_config (top_k, top_p...) nor HF's top_k 50
+    # the log-probs' distribution: no top_k or top_p (the folder's generation_config, HF's default top_k 50)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
     config = GenerationConfig(**(sampling or {"do_sample": False}), max_new_tokens=max_new_tokens,
                               eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                               cache_implementation=None if cache == "dynamic" else cache)
     folder_config, model.generation_config, was_training = model.generation_config, GenerationConfig(), model.training
     model.eval()  # gradient checkpointing, in training mode, turns the KV cache off
-    try:  # the parameters are gathered (unsharded): ranks need not keep step
+    try:  # unsharded: ranks need not keep step
         output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                 generation_config=config, synced_gpus=False)
     finally:
@@ -858,8 +845,8 @@ def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_
 
 
 def sample_rollout(model, prompts, rollout, args, eos_token_id, pad_token_id):
-    """Completions in chunks round-robin over the ranks, each seeded by (seed, rollout, chunk): the same
-    on any number of processes and after a resume."""
+    """Completions in chunks round-robin over the ranks, each seeded by (seed, rollout, chunk): the
+    same on any number of processes and after a resume."""
     device, rank = next(model.parameters()).device, dist.get_rank()
     n, width, chunk_size = len(prompts), args.max_completion_length, args.local_rollout_forward_batch_size
     completion_ids = torch.zeros(n, width, dtype=torch.long, device=device)
@@ -889,8 +876,7 @@ def rollout_mini_batches(rollout, passes, args):
 
 def optimizer_step(model, optimizer, scheduler, loss, step, args, state):
     """Clip the gradient norm, update unless guard_step refuses, step the LR schedule once."""
-    max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     update, stop = guard_step(loss, grad_norm, step, args, state)
     if update:
@@ -908,10 +894,9 @@ def is_due(step, every, args):
 
 def reduce_sums(sums):
     """{name: this rank's sum} -> {name: the sum over ranks}, one all-reduce."""
-    names = sorted(sums)
-    totals = torch.stack([sums[name].float() for name in names])
+    totals = torch.stack([sums[name].float() for name in sorted(sums)])
     dist.all_reduce(totals)
-    return dict(zip(names, totals.tolist()))
+    return dict(zip(sorted(sums), totals.tolist()))
 
 
 def log_metrics(metrics, path, args, progress, samples=None):
@@ -935,25 +920,26 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state):
     """checkpoints/step_N: model and optimizer (DCP, sharded), each rank's scheduler, RNG and loop state;
     written as step_N.tmp, renamed once whole (checkpoint.json lists each file's size)."""
     rank, path = dist.get_rank(), os.path.join(args.output_dir, "checkpoints", f"step_{step}")
+    tmp = f"{path}.tmp"
     if rank == 0:
-        shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # left by a crash
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
     dist.barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer)
     try:
-        dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=f"{path}.tmp")
+        dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=tmp)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         rng |= {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
         torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state},
-                   f"{path}.tmp/rank{rank}.pt")
+                   f"{tmp}/rank{rank}.pt")
         dist.barrier()
         if rank == 0:
-            files = {name: os.path.getsize(os.path.join(f"{path}.tmp", name)) for name in os.listdir(f"{path}.tmp")}
-            with open(f"{path}.tmp/checkpoint.json", "w") as f:
+            files = {name: os.path.getsize(f"{tmp}/{name}") for name in os.listdir(tmp)}
+            with open(f"{tmp}/checkpoint.json", "w") as f:
                 json.dump({"step": step, "args": vars(args), "files": files}, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
             shutil.rmtree(path, ignore_errors=True)  # a restarted run overwrites its old step
-            os.replace(f"{path}.tmp", path)
+            os.replace(tmp, path)
     except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # DCP gathers every rank's errors
         raise checkpoint_error(path, step, args, e) from e
     for old in complete_checkpoints(args.output_dir)[: -args.keep_last] if args.keep_last > 0 and rank == 0 else []:
@@ -989,7 +975,7 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict={"state": state["optimizer"], "param_groups": optimizer_state["param_groups"]})
     same = manifest["args"]["world_size"] == args.world_size  # else the per-rank random streams restart
-    extra = torch.load(os.path.join(path, f"rank{dist.get_rank() if same else 0}.pt"), weights_only=True)
+    extra = torch.load(f"{path}/rank{dist.get_rank() if same else 0}.pt", weights_only=True)
     scheduler.load_state_dict(extra["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr  # the next step's (param_groups are not in the checkpoint)
@@ -1003,26 +989,21 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
     return extra["step"], extra["state"]
 
 
-def save_hf_model(model, tokenizer, output_dir):
-    """Gather the full weights on rank 0 (a collective) and write a Hugging Face folder."""
+def finish(model, tokenizer, args, device):
+    """The full weights gathered (a collective) into a Hugging Face folder by rank 0; the peak memory
+    printed; wandb and the process group closed."""
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     first_name = {}  # tied parameters (embeddings = head) come back as copies: keep one
     for name, param in model.named_parameters(remove_duplicate=False):
         if first_name.setdefault(id(param), name) != name:
             state_dict.pop(name, None)
-    if dist.get_rank() == 0:
-        model.save_pretrained(output_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(output_dir)
-
-
-def finish(model, tokenizer, args, device):
-    """Write the Hugging Face folder, print the peak memory, close wandb and the process group."""
-    save_hf_model(model, tokenizer, args.output_dir)
     gpu = device.type == "cuda"
     peak = torch.tensor(torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                         * 1024.0, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
+        model.save_pretrained(args.output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(args.output_dir)
         print(f"saved {args.output_dir}; peak {'GPU' if gpu else 'CPU RSS'} memory per process {peak / 2**30:.2f} GiB")
         if args.track:
             import wandb
@@ -1050,8 +1031,7 @@ def guard_run(args, auto):
 
 
 def report_error(kind, error, traceback):
-    """sys.excepthook: a ScriptError is one line from the first process, exit 2 everywhere;
-    any other error keeps its traceback."""
+    """sys.excepthook: a ScriptError is one line from the first process, exit 2 everywhere."""
     if not isinstance(error, ScriptError):
         return sys.__excepthook__(kind, error, traceback)
     if os.environ.get("RANK", "0") == "0":
@@ -1078,9 +1058,9 @@ ARGUMENT_RULES = [
 def check_arguments(args):
     """Refuse a numeric argument that cannot be meant (a batch size of 0, a negative --beta...)."""
     for names, allowed, check in ARGUMENT_RULES:
-        for name in [name for name in names if getattr(args, name, None) is not None]:
-            if not check(getattr(args, name)):
-                raise ScriptError(f"--{name} {getattr(args, name)}: must be {allowed}")
+        for name, value in [(name, getattr(args, name, None)) for name in names]:
+            if value is not None and not check(value):
+                raise ScriptError(f"--{name} {value}: must be {allowed}")
 
 
 RUN_FILES = ("metrics.jsonl", "checkpoints", "model.safetensors", "model.safetensors.index.json")
@@ -1090,7 +1070,7 @@ OUTPUT_DIR_LOCK = []  # the first process's open output_dir/.lock
 
 
 def claim_output_dir(args, auto):
-    """The first process claims output_dir; every process must read its token (all write there)."""
+    """The first process claims output_dir; every process must read its token there."""
     verdict = [None, f"{os.uname().nodename} {os.getpid()} {time.time()}"]
     if dist.get_rank() == 0:
         verdict[0] = output_dir_verdict(args, auto, verdict[1])
@@ -1101,18 +1081,18 @@ def claim_output_dir(args, auto):
     dist.all_gather_object(views, (os.uname().nodename, os.path.exists(lock) and open(lock).read() == verdict[1]))
     if not all(same for _, same in views):
         raise ScriptError(f"--output_dir {args.output_dir} on {sorted({n for n, same in views if not same})} is not "
-                          "the first process's: give one all nodes share")
+                          "the first node's: give a shared folder")
 
 
 def output_dir_verdict(args, auto, token):
-    """The first process's refusal or None: a flock for the run's life keeps a second run out;
-    another run's folder is refused unless continued or --overwrite_output_dir."""
+    """The first process's refusal or None: a flock kept for the run's life; another run's folder refused
+    unless continued or overwritten."""
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         lock = open(os.path.join(args.output_dir, ".lock"), "a+")
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return f"another run is writing to --output_dir {args.output_dir}: let it finish, or choose another folder"
+        return f"another run is writing to --output_dir {args.output_dir}: wait, or choose another folder"
     except OSError as e:
         return f"--output_dir {args.output_dir}: {e.strerror}; give a folder"
     lock.truncate(0)
@@ -1137,17 +1117,17 @@ STOP_SIGNALS = []  # signals received: request_stop appends, guard_step reads
 
 
 def request_stop(signum, frame):
-    """SIGTERM or SIGINT: checkpoint at the next step and leave (a second Ctrl-C: at once)."""
+    """SIGTERM or SIGINT: checkpoint after this step and leave (a second Ctrl-C: at once)."""
     if signum == signal.SIGINT and STOP_SIGNALS:
         raise KeyboardInterrupt
     STOP_SIGNALS.append(signum)
 
 
 def guard_step(loss, grad_norm, step, args, state):
-    """One all-reduce: a non-finite loss or norm anywhere skips the update (--skip_nonfinite times),
-    a signal anywhere stops the run. Returns (update, stop)."""
-    flags = torch.stack([(~torch.isfinite(loss)).float(), (~torch.isfinite(grad_norm)).float(),
-                         torch.tensor(float(bool(STOP_SIGNALS)), device=grad_norm.device)])
+    """One all-reduce: a non-finite loss or norm anywhere skips the update (--skip_nonfinite times), a
+    signal anywhere stops the run."""
+    flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(grad_norm),
+                         torch.tensor(bool(STOP_SIGNALS), device=grad_norm.device)]).float()
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     bad_loss, bad_norm, stop = flags.tolist()
     if bad_loss or bad_norm:
@@ -1156,7 +1136,7 @@ def guard_step(loss, grad_norm, step, args, state):
         if len(state["skipped"]) > args.skip_nonfinite:
             last = (complete_checkpoints(args.output_dir) or ["none (see --save_every)"])[-1]
             raise ScriptError(f"step {step}: non-finite {what} (grad_norm {grad_norm.item()}), not applied. Last "
-                              f"complete checkpoint: {last}. Resume with a lower --learning_rate, or --skip_nonfinite")
+                              f"complete checkpoint: {last}. Lower --learning_rate, or --skip_nonfinite")
         if dist.get_rank() == 0:
             print(f"step {step}: non-finite {what}: update skipped ({len(state['skipped'])} of --skip_nonfinite "
                   f"{args.skip_nonfinite})")
@@ -1174,17 +1154,17 @@ def leave_after_signal(checkpoint):
 
 
 def check_local_path(path, what, auto_class=None):
-    """A name meant as local that is not there, refused before the hub retries it for a minute."""
+    """A local name that is not there, refused before the hub retries it for a minute."""
     meant_local = path.startswith(("/", "./", "../", "~")) or ("/" in path and os.path.isdir(path.split("/")[0]))
     if meant_local and not os.path.exists(os.path.expanduser(path)):
-        raise ScriptError(f"{what} {path!r}: no such file or folder (and not a hub id, owner/name)")
+        raise ScriptError(f"{what} {path!r}: no such file or folder")
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
     if auto_class is AutoTokenizer and os.path.isdir(path) and not any(os.path.exists(f"{path}/{f}") for f in files):
-        raise ScriptError(f"{what} {path!r} has no tokenizer files: save the tokenizer into the model folder")
+        raise ScriptError(f"{what} {path!r} has no tokenizer files: save the tokenizer there")
 
 
 def loading_error(auto_class, path, flag, error):
-    """Why a model or tokenizer does not load: a damaged file, no such name, or the library's reason."""
+    """Why a model or tokenizer does not load: a damaged file, no such name, or HF's reason."""
     if isinstance(error, SafetensorError):  # e.g. a file cut short
         return ScriptError(f"{flag} {path!r}: a weights file there is damaged ({error}); copy it again")
     if not os.path.exists(path):
@@ -1197,13 +1177,12 @@ def check_weights(model, info, path, flag):
     problems = [f"no weights for {sorted(info['missing_keys'])}"] if info["missing_keys"] else []
     problems += [f"weights {sorted(info['unexpected_keys'])} it does not use"] if info["unexpected_keys"] else []
     if problems:
-        raise ScriptError(f"{flag} {path!r} has {' and '.join(problems)} as {type(model).__name__}: give a model of "
-                          "that kind")
+        raise ScriptError(f"{flag} {path!r} has {' and '.join(problems)} as {type(model).__name__}: give one")
 
 
 def check_tokenizer(tokenizer, args):
-    """An EOS from the tokenizer's own files (with none in its config, HF makes one up)."""
-    listed = tokenizer.init_kwargs.get("added_tokens_decoder")  # the added tokens its files define, if it says
+    """An EOS (and a pad, if any) from the tokenizer's own files, not one HF made up."""
+    listed = tokenizer.init_kwargs.get("added_tokens_decoder")  # the added tokens its files define
     for name in ("eos", "pad"):
         token = getattr(tokenizer, f"{name}_token_id")
         made_up = listed and token and token >= tokenizer.vocab_size and token not in listed
@@ -1216,8 +1195,7 @@ DATASETS_METADATA = {"dataset_infos.json", "dataset_info.json", "state.json", "d
 
 
 def check_split_files(folder, splits):
-    """Every data file of a folder in a split: datasets skips files with no split word once
-    another file has one."""
+    """Every data file of a folder in a split (datasets skips files with no split word once one has)."""
     used, skipped = {os.path.realpath(f) for files in splits.values() for f in files}, []
     for root, folders, files in os.walk(folder):
         folders[:] = [f for f in folders if not f.startswith((".", "__"))]  # hidden: datasets skips them too
@@ -1227,7 +1205,7 @@ def check_split_files(folder, splits):
     if skipped:
         found = {split: [os.path.relpath(f, folder) for f in files] for split, files in splits.items()}
         raise ScriptError(f"dataset folder {folder!r}: {sorted(skipped)} would be in no split (found {found}); name "
-                          "files after their split (train.jsonl)")
+                          "each after its split")
 
 
 def data_file_problem(path):
@@ -1252,8 +1230,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def check_columns(dataset, args, split, tokenizer):
-    """Text, not numbers ("0457" read as 457); messages with a known role and text; no text
-    spelling a special token (it would become one: a fake turn, an early EOS)."""
+    """Text, not numbers ("0457" read as 457); messages with a role and text; no text spelling a special
+    token (it would become one: a fake turn, an early EOS)."""
     specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special})
     names = ["prompt", "completion", "chosen", "rejected", "messages", getattr(args, "prompt_column", "prompt"),
              getattr(args, "answer_column", "answer")]
@@ -1271,11 +1249,10 @@ def check_columns(dataset, args, split, tokenizer):
             texts = [value] if isinstance(value, str) else [] if bad else [m["content"] for m in messages]
             spelt = [t for t in specials for text in texts if t in text]
             problem = ("no value (null, or missing where other rows have one)" if value is None else
-                       f"{value!r} was read as a number, not text (a CSV cell or a JSON column mixing text and "
-                       "numbers): quote it in JSON" if not isinstance(value, (str, list)) else
+                       f"{value!r} was read as a number, not text: give it as a JSON string"
+                       if not isinstance(value, (str, list)) else
                        f"message {bad[0]!r} needs a role (one of {', '.join(ROLES)}) and a text content" if bad else
-                       f"the text {spelt[0]!r} would become a special token: remove it (the chat template writes "
-                       "them)" if spelt else None)
+                       f"the text {spelt[0]!r} would become a special token: remove it" if spelt else None)
             if problem:
                 raise ScriptError(f"{where}, row {row}: {problem}")
 
@@ -1299,7 +1276,7 @@ def check_splits(args, tokenizer, splits):
         if max(lengths, default=0) > limit:
             then = "its longest completion" if columns[1:] else f"--max_completion_length {args.max_completion_length}"
             raise ScriptError(f"split {split!r}: {max(lengths)} tokens (a prompt and {then} new tokens) are past the "
-                              f"{limit} positions of {model}: lower --max_completion_length or --max_prompt_length")
+                              f"{limit} positions of {model}: lower the length limits")
 
 
 def check_linear_head(model, head, hidden, logits):
@@ -1308,7 +1285,7 @@ def check_linear_head(model, head, hidden, logits):
         difference = (torch.nn.functional.linear(hidden, head.weight, head.bias).float() - logits.float()).abs()
     if (difference > 0.02 * (1 + logits.float().abs().max())).any():
         raise ScriptError(f"{type(model).__name__}: its logits are not its head's linear map of its last hidden "
-                          "states (a logit scale or soft-capping?)")
+                          "states")
 
 
 def checkpoint_error(path, step, args, error):
@@ -1318,7 +1295,7 @@ def checkpoint_error(path, step, args, error):
     cause = next(iter(error.failures.values()))[0] if isinstance(error, dcp.api.CheckpointException) else error
     full = "no space left on device; " if shutil.disk_usage(args.output_dir).free < 2**26 else ""
     last = (complete_checkpoints(args.output_dir) or ["none"])[-1]
-    return ScriptError(f"step {step}: the checkpoint {path} could not be written ({full}{cause!r}). The last complete "
+    return ScriptError(f"step {step}: the checkpoint {path} could not be written ({full}{cause!r}). The last "
                        f"checkpoint, {last}, is kept: make room, then --resume_from auto")
 
 
@@ -1334,19 +1311,18 @@ def check_checkpoint(path, args):
     """The manifest of a complete checkpoint of this run (every argument outside RESUMABLE the same)."""
     manifest = complete_checkpoint(path)
     if manifest is None:
-        raise ScriptError(f"--resume_from {path!r} is not a complete checkpoint: --resume_from auto picks the latest "
-                          "complete one")
+        raise ScriptError(f"--resume_from {path!r} is not a complete checkpoint: --resume_from auto finds one")
     mismatched = [f"{name} {manifest['args'].get(name)!r} in the checkpoint, {value!r} now"
                   for name, value in json.loads(json.dumps(vars(args))).items()
                   if name not in RESUMABLE and manifest["args"].get(name) != value]
     if mismatched:
         raise ScriptError(f"checkpoint {path} does not match the arguments: {'; '.join(mismatched)}. Resume with its "
-                          "arguments, or use another --output_dir")
+                          "arguments")
     return manifest
 
 
 class CheckpointReader(dcp.FileSystemReader):
-    """DCP's reader, .metadata unpickled through an allow-list with no bytes entry (DCP unpickles
+    """DCP's reader, .metadata unpickled through an allow-list, with no bytes entry (DCP unpickles
     those): a checkpoint cannot run planted code."""
 
     def __init__(self, path):

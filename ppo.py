@@ -185,14 +185,9 @@ class Args:
 
 
 def token_values(model, input_ids, attention_mask, completion_width):
-    """The value model's V(s_t) for each of the last `completion_width` tokens: the head's output (plus the folder's
-    score_bias, so a value model copied from a reward model starts as its score) at the position before token t."""
-    outputs = []
-    hook = model.score.register_forward_hook(lambda module, inputs, output: outputs.append(output))
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    hook.remove()
-    return outputs[0][:, -completion_width - 1 : -1, 0].float() + getattr(model.config, "score_bias", 0.0)
+    """The value model's V(s_t) for each of the last `completion_width` tokens: its score at the position before
+    token t (score_bias included: a value model copied from a reward model starts as its score)."""
+    return head_scores(model, input_ids, attention_mask)[:, -completion_width - 1 : -1]
 
 
 def kl_estimate(logps, ref_logps, old_logps, kl_estimator):
@@ -380,9 +375,9 @@ def main(args):
     value_path, value_flag = ((args.value_model_path, "--value_model_path") if args.value_model_path
                               else (args.reward_model_path, "--reward_model_path"))
     policy_path, policy_flag = args.model_name_or_path, "--model_name_or_path"
-    models = {"policy": load_trained(AutoModelForCausalLM, policy_path, args, policy_flag, device),
-              "value": load_trained(AutoModelForSequenceClassification, value_path, args, value_flag, device),
-              "ref": load_frozen(AutoModelForCausalLM, policy_path, args, policy_flag, device),
+    models = {"policy": load_model(AutoModelForCausalLM, policy_path, args, policy_flag, device),
+              "value": load_model(AutoModelForSequenceClassification, value_path, args, value_flag, device),
+              "ref": load_model(AutoModelForCausalLM, policy_path, args, policy_flag, device, frozen=True),
               "reward": load_reward_model(args, tokenizer, device)}
     model = models["policy"]
     trained = torch.nn.ModuleDict({"policy": model, "value": models["value"]})  # one optimizer, one checkpoint
@@ -458,13 +453,11 @@ def main(args):
 # Infrastructure: identical in every script that has it (tests/test_consistency.py). Skip it on a first read.
 def setup(args):
     """Distributed init (one process under plain `python`), the guards, batch sizes, seeds."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    alone = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-    dist.init_process_group(backend, **alone)
+    gpu, alone = torch.cuda.is_available(), {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    dist.init_process_group("nccl" if gpu else "gloo", **({} if "RANK" in os.environ else alone))
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
+    if gpu:
         torch.cuda.set_device(device)
     auto, latest = args.resume_from == "auto", [(complete_checkpoints(args.output_dir) or [None])[-1]]
     dist.broadcast_object_list(latest, src=0)  # the first process's view
@@ -479,7 +472,7 @@ def setup(args):
 
 
 def load_tokenizer(args):
-    """The policy's tokenizer and pad id (EOS if none: masks come from lengths)."""
+    """The tokenizer and pad id (EOS if none: masks come from lengths)."""
     tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
     check_tokenizer(tokenizer, args)
     return tokenizer, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -502,11 +495,11 @@ def load_data(args, tokenizer, tokenize):
 
 
 DATA_EXTENSIONS = tuple(kind + packing for kind in (".json", ".jsonl", ".parquet", ".csv")
-                        for packing in ("", ".gz", ".bz2", ".xz", ".zst"))  # datasets reads them compressed too
+                        for packing in ("", ".gz", ".bz2", ".xz", ".zst"))
 
 
 def load_split(name, split):
-    """A split of a hub dataset, folder or file (its train split), or None; a split may name a file."""
+    """A split of a hub dataset, folder or file (its train split), or None; a split may be a file."""
     check_local_path(name, "dataset")
     if split.endswith(DATA_EXTENSIONS) and os.path.isfile(split):
         return load_file(split)
@@ -524,9 +517,8 @@ def load_split(name, split):
         if "Unknown split" not in str(e):
             raise
     except datasets.exceptions.DatasetGenerationError as e:  # the files of one split differ in their columns
-        names = [os.path.basename(f) for f in files.get(split, [])]
-        raise ScriptError(f"dataset {name!r}, split {split!r} {names} does not load ({e.__cause__ or e}): name one "
-                          "file as the split (its name without extension)") from e
+        raise ScriptError(f"dataset {name!r}, split {split!r} does not load ({e.__cause__ or e}): name one file as "
+                          "the split (its name without extension)") from e
     except FileNotFoundError as e:
         raise ScriptError(f"dataset {name!r}: no such file or folder, nor on the hub ({e})") from e
 
@@ -534,7 +526,7 @@ def load_split(name, split):
 def load_file(path):
     """A local .json/.jsonl/.parquet/.csv file as a dataset."""
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(path.split(".")[-1])
-    if builder is None:
+    if not builder:
         raise ScriptError(f"dataset file {path!r}: unknown format; give a .json, .jsonl, .parquet or .csv file")
     try:
         return datasets.load_dataset(builder, data_files=path, split="train")
@@ -576,10 +568,10 @@ def tokenize_prompts(dataset, tokenizer, args):
 def rollouts_of(num_prompts, generations, passes, args, dropped):
     """Set num_training_steps: rollouts of `passes` x num_mini_batches optimizer steps."""
     steps_per_rollout = passes * args.num_mini_batches
-    for flag, value in (("--max_steps", args.max_steps), ("--save_every", args.save_every)):
-        if value > 0 and value % steps_per_rollout:
-            raise ScriptError(f"{flag} {value}: must be a multiple of the {steps_per_rollout} optimizer steps of a "
-                              "rollout")
+    for flag in ("max_steps", "save_every"):
+        if getattr(args, flag) > 0 and getattr(args, flag) % steps_per_rollout:
+            raise ScriptError(f"--{flag} {getattr(args, flag)}: must be a multiple of the {steps_per_rollout} "
+                              "optimizer steps of a rollout")
     prompts_per_rollout = args.rollout_batch_size // generations
     if num_prompts < prompts_per_rollout:
         raise ScriptError(f"{num_prompts} training prompts (dropped: {dropped}) cannot fill a rollout of "
@@ -609,8 +601,8 @@ def micro_batches(batch, args):
 
 
 def rank_micro_batches(num_rows, rank, world_size, size):
-    """This rank's share of the rows, as many micro-batches on every rank (FSDP forwards are
-    collectives): a rank out of rows gets row 0 with valid=False."""
+    """This rank's share of the rows in as many micro-batches on every rank (FSDP forwards are
+    collectives): a rank out of rows gets row 0, valid False."""
     share = list(range(rank, num_rows, world_size))
     for start in range(0, math.ceil(num_rows / world_size), size):
         rows = share[start : start + size]
@@ -627,10 +619,9 @@ def pad(sequences, value, side):
 def make_batch(prompts, completions, pad_token_id):
     """[left-padded prompts | right-padded completions], masks from the lengths, never from pad_token_id
     (EOS stays in the loss when pad == eos)."""
-    ones = [[1] * len(s) for s in prompts], [[1] * len(s) for s in completions]
     input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
-    completion_mask = pad(ones[1], 0, "right")
-    return input_ids, torch.cat([pad(ones[0], 0, "left"), completion_mask], 1), completion_mask
+    completion_mask = pad([[1] * len(c) for c in completions], 0, "right")
+    return input_ids, torch.cat([pad([[1] * len(p) for p in prompts], 0, "left"), completion_mask], 1), completion_mask
 
 
 def batch_on(device, prompts, completions, rows, pad_token_id):
@@ -642,15 +633,15 @@ def batch_on(device, prompts, completions, rows, pad_token_id):
 def load_pretrained(auto_class, path, args, flag):
     """auto_class.from_pretrained(path), a model in fp32; refused naming `flag`."""
     check_local_path(path, flag, auto_class)
-    options = {} if auto_class is AutoTokenizer else {"dtype": torch.float32, "output_loading_info": True}
+    model = auto_class is not AutoTokenizer
+    options = {"dtype": torch.float32, "output_loading_info": True} if model else {}
     try:
         loaded = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **options)
     except (OSError, ValueError, SafetensorError) as e:
         raise loading_error(auto_class, path, flag, e) from e
-    if auto_class is AutoTokenizer:
-        return loaded
-    check_weights(*loaded, path, flag)
-    return loaded[0]
+    if model:
+        check_weights(*loaded, path, flag)
+    return loaded[0] if model else loaded
 
 
 def disable_dropout(model):
@@ -660,14 +651,16 @@ def disable_dropout(model):
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0
+    return model
 
 
 def shard_model(model, args, device):
     """FSDP2: each decoder layer, then the root; gradients summed (each loss is a global mean already)."""
-    bf16 = args.bf16 and device.type == "cuda"
-    mixed = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
+    if args.gradient_checkpointing:  # it acts in training mode only: not on frozen models
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if args.bf16 and device.type == "cuda" else {}
     policies = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)),
-                "mp_policy": MixedPrecisionPolicy(**mixed),
+                "mp_policy": MixedPrecisionPolicy(**bf16),
                 "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()}
     for module in model.modules():
         if type(module).__name__ in (model._no_split_modules or []):  # the decoder layers
@@ -680,28 +673,18 @@ def shard_model(model, args, device):
     return model
 
 
-def load_trained(auto_class, path, args, flag, device):
-    """A model to train: dropout off, sharded."""
-    model = load_pretrained(auto_class, path, args, flag)
-    disable_dropout(model)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return shard_model(model, args, device)
-
-
-def load_frozen(auto_class, path, args, flag, device):
-    """A model not trained (reference, reward): dropout off, no gradients, sharded."""
-    model = load_pretrained(auto_class, path, args, flag)
-    disable_dropout(model.requires_grad_(False).eval())
-    return shard_model(model, args, device)
+def load_model(auto_class, path, args, flag, device, frozen=False):
+    """A model sharded, dropout off; frozen (a reference, a reward model): no gradients."""
+    model = disable_dropout(load_pretrained(auto_class, path, args, flag))
+    return shard_model(model.requires_grad_(False).eval() if frozen else model, args, device)
 
 
 def load_reward_model(args, tokenizer, device):
     """The frozen reward model; its tokenizer must be the policy's (it is fed the policy's ids)."""
-    reward_tokenizer = load_pretrained(AutoTokenizer, args.reward_model_path, args, "--reward_model_path")
-    if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise ScriptError(f"--reward_model_path {args.reward_model_path}: its tokenizer is not the policy's")
-    return load_frozen(AutoModelForSequenceClassification, args.reward_model_path, args, "--reward_model_path", device)
+    path, flag = args.reward_model_path, "--reward_model_path"
+    if load_pretrained(AutoTokenizer, path, args, flag).get_vocab() != tokenizer.get_vocab():
+        raise ScriptError(f"{flag} {path}: its tokenizer is not the policy's")
+    return load_model(AutoModelForSequenceClassification, path, args, flag, device, frozen=True)
 
 
 def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
@@ -739,15 +722,20 @@ def last_token_index(attention_mask):
     return (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(1)
 
 
-def sequence_scores(model, input_ids, attention_mask):
-    """Reward-model score at each row's last real token, plus the config's score_bias."""
-    outputs = []
-    hook = model.score.register_forward_hook(lambda module, inputs, output: outputs.append(output))
+def head_scores(model, input_ids, attention_mask):
+    """A reward or value model's score at every position, plus the config's score_bias (see reward.py)."""
+    scores = []
+    hook = model.score.register_forward_hook(lambda module, inputs, output: scores.append(output[..., 0].float()))
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     hook.remove()
+    return scores[0] + getattr(model.config, "score_bias", 0.0)
+
+
+def sequence_scores(model, input_ids, attention_mask):
+    """A reward model's score at each row's last real token."""
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    return outputs[0][rows, last_token_index(attention_mask), 0].float() + getattr(model.config, "score_bias", 0.0)
+    return head_scores(model, input_ids, attention_mask)[rows, last_token_index(attention_mask)]
 
 
 def make_optimizer(model, args):
@@ -757,13 +745,11 @@ def make_optimizer(model, args):
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon,
                                       weight_decay=args.weight_decay, fused=True)
-    warmup = math.ceil(args.warmup_ratio * args.num_training_steps)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                              num_training_steps=args.num_training_steps)
-    start_step, state = 0, {"skipped": []}
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_training_steps),
+                              args.num_training_steps)
     if args.resume_from:
-        start_step, state = load_checkpoint(args.resume_from, model, optimizer, scheduler, args)
-    return optimizer, scheduler, start_step, state
+        return optimizer, scheduler, *load_checkpoint(args.resume_from, model, optimizer, scheduler, args)
+    return optimizer, scheduler, 0, {"skipped": []}
 
 
 def open_metrics(args, start_step):
@@ -811,14 +797,14 @@ def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_
         extra = -input_ids.shape[1] % 64
         input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad_token_id)
         attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0), value=0)
-    # exactly the log-probs' distribution: not the folder's generation_config (top_k, top_p...) nor HF's top_k 50
+    # the log-probs' distribution: no top_k or top_p (the folder's generation_config, HF's default top_k 50)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
     config = GenerationConfig(**(sampling or {"do_sample": False}), max_new_tokens=max_new_tokens,
                               eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                               cache_implementation=None if cache == "dynamic" else cache)
     folder_config, model.generation_config, was_training = model.generation_config, GenerationConfig(), model.training
     model.eval()  # gradient checkpointing, in training mode, turns the KV cache off
-    try:  # the parameters are gathered (unsharded): ranks need not keep step
+    try:  # unsharded: ranks need not keep step
         output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                 generation_config=config, synced_gpus=False)
     finally:
@@ -829,8 +815,8 @@ def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_
 
 
 def sample_rollout(model, prompts, rollout, args, eos_token_id, pad_token_id):
-    """Completions in chunks round-robin over the ranks, each seeded by (seed, rollout, chunk): the same
-    on any number of processes and after a resume."""
+    """Completions in chunks round-robin over the ranks, each seeded by (seed, rollout, chunk): the
+    same on any number of processes and after a resume."""
     device, rank = next(model.parameters()).device, dist.get_rank()
     n, width, chunk_size = len(prompts), args.max_completion_length, args.local_rollout_forward_batch_size
     completion_ids = torch.zeros(n, width, dtype=torch.long, device=device)
@@ -860,8 +846,7 @@ def rollout_mini_batches(rollout, passes, args):
 
 def optimizer_step(model, optimizer, scheduler, loss, step, args, state):
     """Clip the gradient norm, update unless guard_step refuses, step the LR schedule once."""
-    max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     update, stop = guard_step(loss, grad_norm, step, args, state)
     if update:
@@ -879,10 +864,9 @@ def is_due(step, every, args):
 
 def reduce_sums(sums):
     """{name: this rank's sum} -> {name: the sum over ranks}, one all-reduce."""
-    names = sorted(sums)
-    totals = torch.stack([sums[name].float() for name in names])
+    totals = torch.stack([sums[name].float() for name in sorted(sums)])
     dist.all_reduce(totals)
-    return dict(zip(names, totals.tolist()))
+    return dict(zip(sorted(sums), totals.tolist()))
 
 
 def log_metrics(metrics, path, args, progress, samples=None):
@@ -906,25 +890,26 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state):
     """checkpoints/step_N: model and optimizer (DCP, sharded), each rank's scheduler, RNG and loop state;
     written as step_N.tmp, renamed once whole (checkpoint.json lists each file's size)."""
     rank, path = dist.get_rank(), os.path.join(args.output_dir, "checkpoints", f"step_{step}")
+    tmp = f"{path}.tmp"
     if rank == 0:
-        shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # left by a crash
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
     dist.barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer)
     try:
-        dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=f"{path}.tmp")
+        dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=tmp)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         rng |= {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
         torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state},
-                   f"{path}.tmp/rank{rank}.pt")
+                   f"{tmp}/rank{rank}.pt")
         dist.barrier()
         if rank == 0:
-            files = {name: os.path.getsize(os.path.join(f"{path}.tmp", name)) for name in os.listdir(f"{path}.tmp")}
-            with open(f"{path}.tmp/checkpoint.json", "w") as f:
+            files = {name: os.path.getsize(f"{tmp}/{name}") for name in os.listdir(tmp)}
+            with open(f"{tmp}/checkpoint.json", "w") as f:
                 json.dump({"step": step, "args": vars(args), "files": files}, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
             shutil.rmtree(path, ignore_errors=True)  # a restarted run overwrites its old step
-            os.replace(f"{path}.tmp", path)
+            os.replace(tmp, path)
     except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # DCP gathers every rank's errors
         raise checkpoint_error(path, step, args, e) from e
     for old in complete_checkpoints(args.output_dir)[: -args.keep_last] if args.keep_last > 0 and rank == 0 else []:
@@ -960,7 +945,7 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict={"state": state["optimizer"], "param_groups": optimizer_state["param_groups"]})
     same = manifest["args"]["world_size"] == args.world_size  # else the per-rank random streams restart
-    extra = torch.load(os.path.join(path, f"rank{dist.get_rank() if same else 0}.pt"), weights_only=True)
+    extra = torch.load(f"{path}/rank{dist.get_rank() if same else 0}.pt", weights_only=True)
     scheduler.load_state_dict(extra["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr  # the next step's (param_groups are not in the checkpoint)
@@ -974,26 +959,21 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
     return extra["step"], extra["state"]
 
 
-def save_hf_model(model, tokenizer, output_dir):
-    """Gather the full weights on rank 0 (a collective) and write a Hugging Face folder."""
+def finish(model, tokenizer, args, device):
+    """The full weights gathered (a collective) into a Hugging Face folder by rank 0; the peak memory
+    printed; wandb and the process group closed."""
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     first_name = {}  # tied parameters (embeddings = head) come back as copies: keep one
     for name, param in model.named_parameters(remove_duplicate=False):
         if first_name.setdefault(id(param), name) != name:
             state_dict.pop(name, None)
-    if dist.get_rank() == 0:
-        model.save_pretrained(output_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(output_dir)
-
-
-def finish(model, tokenizer, args, device):
-    """Write the Hugging Face folder, print the peak memory, close wandb and the process group."""
-    save_hf_model(model, tokenizer, args.output_dir)
     gpu = device.type == "cuda"
     peak = torch.tensor(torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                         * 1024.0, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
+        model.save_pretrained(args.output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(args.output_dir)
         print(f"saved {args.output_dir}; peak {'GPU' if gpu else 'CPU RSS'} memory per process {peak / 2**30:.2f} GiB")
         if args.track:
             import wandb
@@ -1021,8 +1001,7 @@ def guard_run(args, auto):
 
 
 def report_error(kind, error, traceback):
-    """sys.excepthook: a ScriptError is one line from the first process, exit 2 everywhere;
-    any other error keeps its traceback."""
+    """sys.excepthook: a ScriptError is one line from the first process, exit 2 everywhere."""
     if not isinstance(error, ScriptError):
         return sys.__excepthook__(kind, error, traceback)
     if os.environ.get("RANK", "0") == "0":
@@ -1049,9 +1028,9 @@ ARGUMENT_RULES = [
 def check_arguments(args):
     """Refuse a numeric argument that cannot be meant (a batch size of 0, a negative --beta...)."""
     for names, allowed, check in ARGUMENT_RULES:
-        for name in [name for name in names if getattr(args, name, None) is not None]:
-            if not check(getattr(args, name)):
-                raise ScriptError(f"--{name} {getattr(args, name)}: must be {allowed}")
+        for name, value in [(name, getattr(args, name, None)) for name in names]:
+            if value is not None and not check(value):
+                raise ScriptError(f"--{name} {value}: must be {allowed}")
 
 
 RUN_FILES = ("metrics.jsonl", "checkpoints", "model.safetensors", "model.safetensors.index.json")
@@ -1061,7 +1040,7 @@ OUTPUT_DIR_LOCK = []  # the first process's open output_dir/.lock
 
 
 def claim_output_dir(args, auto):
-    """The first process claims output_dir; every process must read its token (all write there)."""
+    """The first process claims output_dir; every process must read its token there."""
     verdict = [None, f"{os.uname().nodename} {os.getpid()} {time.time()}"]
     if dist.get_rank() == 0:
         verdict[0] = output_dir_verdict(args, auto, verdict[1])
@@ -1072,18 +1051,18 @@ def claim_output_dir(args, auto):
     dist.all_gather_object(views, (os.uname().nodename, os.path.exists(lock) and open(lock).read() == verdict[1]))
     if not all(same for _, same in views):
         raise ScriptError(f"--output_dir {args.output_dir} on {sorted({n for n, same in views if not same})} is not "
-                          "the first process's: give one all nodes share")
+                          "the first node's: give a shared folder")
 
 
 def output_dir_verdict(args, auto, token):
-    """The first process's refusal or None: a flock for the run's life keeps a second run out;
-    another run's folder is refused unless continued or --overwrite_output_dir."""
+    """The first process's refusal or None: a flock kept for the run's life; another run's folder refused
+    unless continued or overwritten."""
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         lock = open(os.path.join(args.output_dir, ".lock"), "a+")
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return f"another run is writing to --output_dir {args.output_dir}: let it finish, or choose another folder"
+        return f"another run is writing to --output_dir {args.output_dir}: wait, or choose another folder"
     except OSError as e:
         return f"--output_dir {args.output_dir}: {e.strerror}; give a folder"
     lock.truncate(0)
@@ -1108,17 +1087,17 @@ STOP_SIGNALS = []  # signals received: request_stop appends, guard_step reads
 
 
 def request_stop(signum, frame):
-    """SIGTERM or SIGINT: checkpoint at the next step and leave (a second Ctrl-C: at once)."""
+    """SIGTERM or SIGINT: checkpoint after this step and leave (a second Ctrl-C: at once)."""
     if signum == signal.SIGINT and STOP_SIGNALS:
         raise KeyboardInterrupt
     STOP_SIGNALS.append(signum)
 
 
 def guard_step(loss, grad_norm, step, args, state):
-    """One all-reduce: a non-finite loss or norm anywhere skips the update (--skip_nonfinite times),
-    a signal anywhere stops the run. Returns (update, stop)."""
-    flags = torch.stack([(~torch.isfinite(loss)).float(), (~torch.isfinite(grad_norm)).float(),
-                         torch.tensor(float(bool(STOP_SIGNALS)), device=grad_norm.device)])
+    """One all-reduce: a non-finite loss or norm anywhere skips the update (--skip_nonfinite times), a
+    signal anywhere stops the run."""
+    flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(grad_norm),
+                         torch.tensor(bool(STOP_SIGNALS), device=grad_norm.device)]).float()
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     bad_loss, bad_norm, stop = flags.tolist()
     if bad_loss or bad_norm:
@@ -1127,7 +1106,7 @@ def guard_step(loss, grad_norm, step, args, state):
         if len(state["skipped"]) > args.skip_nonfinite:
             last = (complete_checkpoints(args.output_dir) or ["none (see --save_every)"])[-1]
             raise ScriptError(f"step {step}: non-finite {what} (grad_norm {grad_norm.item()}), not applied. Last "
-                              f"complete checkpoint: {last}. Resume with a lower --learning_rate, or --skip_nonfinite")
+                              f"complete checkpoint: {last}. Lower --learning_rate, or --skip_nonfinite")
         if dist.get_rank() == 0:
             print(f"step {step}: non-finite {what}: update skipped ({len(state['skipped'])} of --skip_nonfinite "
                   f"{args.skip_nonfinite})")
@@ -1145,17 +1124,17 @@ def leave_after_signal(checkpoint):
 
 
 def check_local_path(path, what, auto_class=None):
-    """A name meant as local that is not there, refused before the hub retries it for a minute."""
+    """A local name that is not there, refused before the hub retries it for a minute."""
     meant_local = path.startswith(("/", "./", "../", "~")) or ("/" in path and os.path.isdir(path.split("/")[0]))
     if meant_local and not os.path.exists(os.path.expanduser(path)):
-        raise ScriptError(f"{what} {path!r}: no such file or folder (and not a hub id, owner/name)")
+        raise ScriptError(f"{what} {path!r}: no such file or folder")
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
     if auto_class is AutoTokenizer and os.path.isdir(path) and not any(os.path.exists(f"{path}/{f}") for f in files):
-        raise ScriptError(f"{what} {path!r} has no tokenizer files: save the tokenizer into the model folder")
+        raise ScriptError(f"{what} {path!r} has no tokenizer files: save the tokenizer there")
 
 
 def loading_error(auto_class, path, flag, error):
-    """Why a model or tokenizer does not load: a damaged file, no such name, or the library's reason."""
+    """Why a model or tokenizer does not load: a damaged file, no such name, or HF's reason."""
     if isinstance(error, SafetensorError):  # e.g. a file cut short
         return ScriptError(f"{flag} {path!r}: a weights file there is damaged ({error}); copy it again")
     if not os.path.exists(path):
@@ -1168,13 +1147,12 @@ def check_weights(model, info, path, flag):
     problems = [f"no weights for {sorted(info['missing_keys'])}"] if info["missing_keys"] else []
     problems += [f"weights {sorted(info['unexpected_keys'])} it does not use"] if info["unexpected_keys"] else []
     if problems:
-        raise ScriptError(f"{flag} {path!r} has {' and '.join(problems)} as {type(model).__name__}: give a model of "
-                          "that kind")
+        raise ScriptError(f"{flag} {path!r} has {' and '.join(problems)} as {type(model).__name__}: give one")
 
 
 def check_tokenizer(tokenizer, args):
-    """An EOS from the tokenizer's own files (with none in its config, HF makes one up)."""
-    listed = tokenizer.init_kwargs.get("added_tokens_decoder")  # the added tokens its files define, if it says
+    """An EOS (and a pad, if any) from the tokenizer's own files, not one HF made up."""
+    listed = tokenizer.init_kwargs.get("added_tokens_decoder")  # the added tokens its files define
     for name in ("eos", "pad"):
         token = getattr(tokenizer, f"{name}_token_id")
         made_up = listed and token and token >= tokenizer.vocab_size and token not in listed
@@ -1187,8 +1165,7 @@ DATASETS_METADATA = {"dataset_infos.json", "dataset_info.json", "state.json", "d
 
 
 def check_split_files(folder, splits):
-    """Every data file of a folder in a split: datasets skips files with no split word once
-    another file has one."""
+    """Every data file of a folder in a split (datasets skips files with no split word once one has)."""
     used, skipped = {os.path.realpath(f) for files in splits.values() for f in files}, []
     for root, folders, files in os.walk(folder):
         folders[:] = [f for f in folders if not f.startswith((".", "__"))]  # hidden: datasets skips them too
@@ -1198,7 +1175,7 @@ def check_split_files(folder, splits):
     if skipped:
         found = {split: [os.path.relpath(f, folder) for f in files] for split, files in splits.items()}
         raise ScriptError(f"dataset folder {folder!r}: {sorted(skipped)} would be in no split (found {found}); name "
-                          "files after their split (train.jsonl)")
+                          "each after its split")
 
 
 def data_file_problem(path):
@@ -1223,8 +1200,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def check_columns(dataset, args, split, tokenizer):
-    """Text, not numbers ("0457" read as 457); messages with a known role and text; no text
-    spelling a special token (it would become one: a fake turn, an early EOS)."""
+    """Text, not numbers ("0457" read as 457); messages with a role and text; no text spelling a special
+    token (it would become one: a fake turn, an early EOS)."""
     specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special})
     names = ["prompt", "completion", "chosen", "rejected", "messages", getattr(args, "prompt_column", "prompt"),
              getattr(args, "answer_column", "answer")]
@@ -1242,11 +1219,10 @@ def check_columns(dataset, args, split, tokenizer):
             texts = [value] if isinstance(value, str) else [] if bad else [m["content"] for m in messages]
             spelt = [t for t in specials for text in texts if t in text]
             problem = ("no value (null, or missing where other rows have one)" if value is None else
-                       f"{value!r} was read as a number, not text (a CSV cell or a JSON column mixing text and "
-                       "numbers): quote it in JSON" if not isinstance(value, (str, list)) else
+                       f"{value!r} was read as a number, not text: give it as a JSON string"
+                       if not isinstance(value, (str, list)) else
                        f"message {bad[0]!r} needs a role (one of {', '.join(ROLES)}) and a text content" if bad else
-                       f"the text {spelt[0]!r} would become a special token: remove it (the chat template writes "
-                       "them)" if spelt else None)
+                       f"the text {spelt[0]!r} would become a special token: remove it" if spelt else None)
             if problem:
                 raise ScriptError(f"{where}, row {row}: {problem}")
 
@@ -1270,7 +1246,7 @@ def check_splits(args, tokenizer, splits):
         if max(lengths, default=0) > limit:
             then = "its longest completion" if columns[1:] else f"--max_completion_length {args.max_completion_length}"
             raise ScriptError(f"split {split!r}: {max(lengths)} tokens (a prompt and {then} new tokens) are past the "
-                              f"{limit} positions of {model}: lower --max_completion_length or --max_prompt_length")
+                              f"{limit} positions of {model}: lower the length limits")
 
 
 def check_linear_head(model, head, hidden, logits):
@@ -1279,7 +1255,7 @@ def check_linear_head(model, head, hidden, logits):
         difference = (torch.nn.functional.linear(hidden, head.weight, head.bias).float() - logits.float()).abs()
     if (difference > 0.02 * (1 + logits.float().abs().max())).any():
         raise ScriptError(f"{type(model).__name__}: its logits are not its head's linear map of its last hidden "
-                          "states (a logit scale or soft-capping?)")
+                          "states")
 
 
 def checkpoint_error(path, step, args, error):
@@ -1289,7 +1265,7 @@ def checkpoint_error(path, step, args, error):
     cause = next(iter(error.failures.values()))[0] if isinstance(error, dcp.api.CheckpointException) else error
     full = "no space left on device; " if shutil.disk_usage(args.output_dir).free < 2**26 else ""
     last = (complete_checkpoints(args.output_dir) or ["none"])[-1]
-    return ScriptError(f"step {step}: the checkpoint {path} could not be written ({full}{cause!r}). The last complete "
+    return ScriptError(f"step {step}: the checkpoint {path} could not be written ({full}{cause!r}). The last "
                        f"checkpoint, {last}, is kept: make room, then --resume_from auto")
 
 
@@ -1305,19 +1281,18 @@ def check_checkpoint(path, args):
     """The manifest of a complete checkpoint of this run (every argument outside RESUMABLE the same)."""
     manifest = complete_checkpoint(path)
     if manifest is None:
-        raise ScriptError(f"--resume_from {path!r} is not a complete checkpoint: --resume_from auto picks the latest "
-                          "complete one")
+        raise ScriptError(f"--resume_from {path!r} is not a complete checkpoint: --resume_from auto finds one")
     mismatched = [f"{name} {manifest['args'].get(name)!r} in the checkpoint, {value!r} now"
                   for name, value in json.loads(json.dumps(vars(args))).items()
                   if name not in RESUMABLE and manifest["args"].get(name) != value]
     if mismatched:
         raise ScriptError(f"checkpoint {path} does not match the arguments: {'; '.join(mismatched)}. Resume with its "
-                          "arguments, or use another --output_dir")
+                          "arguments")
     return manifest
 
 
 class CheckpointReader(dcp.FileSystemReader):
-    """DCP's reader, .metadata unpickled through an allow-list with no bytes entry (DCP unpickles
+    """DCP's reader, .metadata unpickled through an allow-list, with no bytes entry (DCP unpickles
     those): a checkpoint cannot run planted code."""
 
     def __init__(self, path):

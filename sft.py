@@ -1,8 +1,7 @@
 """Supervised fine-tuning (SFT) in one file: next-token cross-entropy on the completion tokens of prompt/completion
-pairs. Paper: the SFT stage of InstructGPT (arXiv:2203.02155). What differs from a plain LM loss: (1) the loss covers
-only completion tokens, EOS included (masks come from lengths, so EOS is learnt even when pad == eos); (2) it is
-divided by the number of completion tokens in the whole global batch, so the update does not depend on how the batch
-is split over processes and accumulation steps.
+pairs. Paper: the SFT stage of InstructGPT (arXiv:2203.02155). Unlike a plain LM loss: (1) only completion tokens,
+EOS included (masks come from lengths: EOS is learnt even when pad == eos); (2) divided by the completion tokens of the
+whole global batch, so the update does not depend on its split over processes and accumulation steps.
 Run:  python examples/toy_task.py --out toy
       torchrun --nproc_per_node 2 sft.py --model_name_or_path toy/model --dataset_name toy/sft --output_dir runs/sft \
           --learning_rate 1e-3 --num_train_epochs 5 --warmup_ratio 0.05
@@ -133,8 +132,8 @@ class Args:
 
 
 def tokenize_sft(dataset, tokenizer, args):
-    """Rows of prompt/completion (strings or message lists) or of messages (the last one is the completion) -> token
-    ids. Empty and over-long rows are dropped and counted."""
+    """prompt/completion rows (strings or messages) or messages rows (the last one is the completion) -> token ids;
+    empty and over-long rows dropped and counted."""
     columns = dataset.column_names
     if "prompt" in columns and "completion" in columns:
         pairs = zip(dataset["prompt"], dataset["completion"])
@@ -161,9 +160,8 @@ def tokenize_sft(dataset, tokenizer, args):
 
 
 def sft_loss(model, prompts, completions, pad_token_id, num_tokens):
-    """Sum of -log p(completion tokens) over this micro-batch / `num_tokens`, the completion tokens of the whole global
-    batch (every rank and accumulation step): the summed gradient is the global token mean's. Returns the loss and
-    the micro-batch's tokens (for tokens_per_second)."""
+    """-log p(completion tokens) summed over the micro-batch / `num_tokens`, those of the whole global batch: the
+    summed gradient is the global token mean's. Returns it and the micro-batch's tokens (for tokens_per_second)."""
     device = next(model.parameters()).device
     input_ids, attention_mask, completion_mask = [t.to(device) for t in make_batch(prompts, completions, pad_token_id)]
     logprobs = completion_logprobs(model, input_ids, attention_mask, completion_mask.shape[1])
@@ -194,10 +192,8 @@ def main(args):
     train, test, dropped = load_data(args, tokenizer, tokenize_sft)
     epochs_of(len(train["prompt"]), args, dropped)
 
-    # 3. model + FSDP2 (fp32 master weights; bf16 compute on GPU through the mixed precision policy)
+    # 3. model + FSDP2 (fp32 master weights; bf16 compute on GPU by the mixed precision policy)
     model = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args, "--model_name_or_path")
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = shard_model(model, args, device)
 
     # 4. optimizer and LR schedule (or both restored by --resume_from)
@@ -244,13 +240,11 @@ def main(args):
 # Infrastructure: identical in every script that has it (tests/test_consistency.py). Skip it on a first read.
 def setup(args):
     """Distributed init (one process under plain `python`), the guards, batch sizes, seeds."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    alone = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-    dist.init_process_group(backend, **alone)
+    gpu, alone = torch.cuda.is_available(), {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    dist.init_process_group("nccl" if gpu else "gloo", **({} if "RANK" in os.environ else alone))
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
+    if gpu:
         torch.cuda.set_device(device)
     auto, latest = args.resume_from == "auto", [(complete_checkpoints(args.output_dir) or [None])[-1]]
     dist.broadcast_object_list(latest, src=0)  # the first process's view
@@ -265,7 +259,7 @@ def setup(args):
 
 
 def load_tokenizer(args):
-    """The policy's tokenizer and pad id (EOS if none: masks come from lengths)."""
+    """The tokenizer and pad id (EOS if none: masks come from lengths)."""
     tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
     check_tokenizer(tokenizer, args)
     return tokenizer, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -288,11 +282,11 @@ def load_data(args, tokenizer, tokenize):
 
 
 DATA_EXTENSIONS = tuple(kind + packing for kind in (".json", ".jsonl", ".parquet", ".csv")
-                        for packing in ("", ".gz", ".bz2", ".xz", ".zst"))  # datasets reads them compressed too
+                        for packing in ("", ".gz", ".bz2", ".xz", ".zst"))
 
 
 def load_split(name, split):
-    """A split of a hub dataset, folder or file (its train split), or None; a split may name a file."""
+    """A split of a hub dataset, folder or file (its train split), or None; a split may be a file."""
     check_local_path(name, "dataset")
     if split.endswith(DATA_EXTENSIONS) and os.path.isfile(split):
         return load_file(split)
@@ -310,9 +304,8 @@ def load_split(name, split):
         if "Unknown split" not in str(e):
             raise
     except datasets.exceptions.DatasetGenerationError as e:  # the files of one split differ in their columns
-        names = [os.path.basename(f) for f in files.get(split, [])]
-        raise ScriptError(f"dataset {name!r}, split {split!r} {names} does not load ({e.__cause__ or e}): name one "
-                          "file as the split (its name without extension)") from e
+        raise ScriptError(f"dataset {name!r}, split {split!r} does not load ({e.__cause__ or e}): name one file as "
+                          "the split (its name without extension)") from e
     except FileNotFoundError as e:
         raise ScriptError(f"dataset {name!r}: no such file or folder, nor on the hub ({e})") from e
 
@@ -320,7 +313,7 @@ def load_split(name, split):
 def load_file(path):
     """A local .json/.jsonl/.parquet/.csv file as a dataset."""
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(path.split(".")[-1])
-    if builder is None:
+    if not builder:
         raise ScriptError(f"dataset file {path!r}: unknown format; give a .json, .jsonl, .parquet or .csv file")
     try:
         return datasets.load_dataset(builder, data_files=path, split="train")
@@ -336,8 +329,8 @@ def folder_splits(folder):
 
 
 def tokenize_prompt_completion(tokenizer, prompt, completion):
-    """Prompt and completion ids (EOS appended unless there), from strings or messages
-    (the completion: what the chat template adds after the generation prompt)."""
+    """Prompt and completion ids from strings or messages (the completion: what the chat template adds
+    after the generation prompt); EOS appended unless there."""
     if isinstance(prompt, str):
         prompt_ids = tokenizer(prompt)["input_ids"]  # with BOS, if the tokenizer adds one
     else:
@@ -347,9 +340,8 @@ def tokenize_prompt_completion(tokenizer, prompt, completion):
             raise ScriptError("the chat template does not render the prompt as the start of the conversation")
         completion = full_text[len(prompt_text) :]
         prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]  # the template has them
-    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
-    # a template ends the turn itself, maybe with text after EOS (Qwen: "<|im_end|>\n"): no second EOS
-    eos = tokenizer.eos_token_id
+    completion_ids, eos = tokenizer(completion, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id
+    # a template ends the turn itself, maybe with text after EOS (Qwen's "\n")
     if not (eos in completion_ids if not isinstance(prompt, str) else completion_ids[-1:] == [eos]):
         completion_ids = completion_ids + [eos]
     return prompt_ids, completion_ids
@@ -363,7 +355,7 @@ def epochs_of(num_rows, args, dropped):
                           f"{args.batch_size}: lower the batch sizes")
     args.num_training_steps = args.max_steps if args.max_steps > 0 else args.num_train_epochs * steps_per_epoch
     if dist.get_rank() == 0:
-        print(f"global batch {args.batch_size}, {steps_per_epoch} steps per epoch")
+        print(f"{steps_per_epoch} steps of {args.batch_size} per epoch")
 
 
 def global_batch(step, num_rows, batch_size, seed):
@@ -382,8 +374,8 @@ def micro_batches(batch, args):
 
 
 def rank_micro_batches(num_rows, rank, world_size, size):
-    """This rank's share of the rows, as many micro-batches on every rank (FSDP forwards are
-    collectives): a rank out of rows gets row 0 with valid=False."""
+    """This rank's share of the rows in as many micro-batches on every rank (FSDP forwards are
+    collectives): a rank out of rows gets row 0, valid False."""
     share = list(range(rank, num_rows, world_size))
     for start in range(0, math.ceil(num_rows / world_size), size):
         rows = share[start : start + size]
@@ -400,32 +392,32 @@ def pad(sequences, value, side):
 def make_batch(prompts, completions, pad_token_id):
     """[left-padded prompts | right-padded completions], masks from the lengths, never from pad_token_id
     (EOS stays in the loss when pad == eos)."""
-    ones = [[1] * len(s) for s in prompts], [[1] * len(s) for s in completions]
     input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
-    completion_mask = pad(ones[1], 0, "right")
-    return input_ids, torch.cat([pad(ones[0], 0, "left"), completion_mask], 1), completion_mask
+    completion_mask = pad([[1] * len(c) for c in completions], 0, "right")
+    return input_ids, torch.cat([pad([[1] * len(p) for p in prompts], 0, "left"), completion_mask], 1), completion_mask
 
 
 def load_pretrained(auto_class, path, args, flag):
     """auto_class.from_pretrained(path), a model in fp32; refused naming `flag`."""
     check_local_path(path, flag, auto_class)
-    options = {} if auto_class is AutoTokenizer else {"dtype": torch.float32, "output_loading_info": True}
+    model = auto_class is not AutoTokenizer
+    options = {"dtype": torch.float32, "output_loading_info": True} if model else {}
     try:
         loaded = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **options)
     except (OSError, ValueError, SafetensorError) as e:
         raise loading_error(auto_class, path, flag, e) from e
-    if auto_class is AutoTokenizer:
-        return loaded
-    check_weights(*loaded, path, flag)
-    return loaded[0]
+    if model:
+        check_weights(*loaded, path, flag)
+    return loaded[0] if model else loaded
 
 
 def shard_model(model, args, device):
     """FSDP2: each decoder layer, then the root; gradients summed (each loss is a global mean already)."""
-    bf16 = args.bf16 and device.type == "cuda"
-    mixed = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
+    if args.gradient_checkpointing:  # it acts in training mode only: not on frozen models
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if args.bf16 and device.type == "cuda" else {}
     policies = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)),
-                "mp_policy": MixedPrecisionPolicy(**mixed),
+                "mp_policy": MixedPrecisionPolicy(**bf16),
                 "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()}
     for module in model.modules():
         if type(module).__name__ in (model._no_split_modules or []):  # the decoder layers
@@ -475,13 +467,11 @@ def make_optimizer(model, args):
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon,
                                       weight_decay=args.weight_decay, fused=True)
-    warmup = math.ceil(args.warmup_ratio * args.num_training_steps)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                              num_training_steps=args.num_training_steps)
-    start_step, state = 0, {"skipped": []}
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, math.ceil(args.warmup_ratio * args.num_training_steps),
+                              args.num_training_steps)
     if args.resume_from:
-        start_step, state = load_checkpoint(args.resume_from, model, optimizer, scheduler, args)
-    return optimizer, scheduler, start_step, state
+        return optimizer, scheduler, *load_checkpoint(args.resume_from, model, optimizer, scheduler, args)
+    return optimizer, scheduler, 0, {"skipped": []}
 
 
 def open_metrics(args, start_step):
@@ -503,8 +493,7 @@ def open_metrics(args, start_step):
 
 def optimizer_step(model, optimizer, scheduler, loss, step, args, state):
     """Clip the gradient norm, update unless guard_step refuses, step the LR schedule once."""
-    max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     update, stop = guard_step(loss, grad_norm, step, args, state)
     if update:
@@ -522,10 +511,9 @@ def is_due(step, every, args):
 
 def reduce_sums(sums):
     """{name: this rank's sum} -> {name: the sum over ranks}, one all-reduce."""
-    names = sorted(sums)
-    totals = torch.stack([sums[name].float() for name in names])
+    totals = torch.stack([sums[name].float() for name in sorted(sums)])
     dist.all_reduce(totals)
-    return dict(zip(names, totals.tolist()))
+    return dict(zip(sorted(sums), totals.tolist()))
 
 
 def log_metrics(metrics, path, args, progress, samples=None):
@@ -549,25 +537,26 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state):
     """checkpoints/step_N: model and optimizer (DCP, sharded), each rank's scheduler, RNG and loop state;
     written as step_N.tmp, renamed once whole (checkpoint.json lists each file's size)."""
     rank, path = dist.get_rank(), os.path.join(args.output_dir, "checkpoints", f"step_{step}")
+    tmp = f"{path}.tmp"
     if rank == 0:
-        shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # left by a crash
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
     dist.barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer)
     try:
-        dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=f"{path}.tmp")
+        dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=tmp)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         rng |= {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
         torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state},
-                   f"{path}.tmp/rank{rank}.pt")
+                   f"{tmp}/rank{rank}.pt")
         dist.barrier()
         if rank == 0:
-            files = {name: os.path.getsize(os.path.join(f"{path}.tmp", name)) for name in os.listdir(f"{path}.tmp")}
-            with open(f"{path}.tmp/checkpoint.json", "w") as f:
+            files = {name: os.path.getsize(f"{tmp}/{name}") for name in os.listdir(tmp)}
+            with open(f"{tmp}/checkpoint.json", "w") as f:
                 json.dump({"step": step, "args": vars(args), "files": files}, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
             shutil.rmtree(path, ignore_errors=True)  # a restarted run overwrites its old step
-            os.replace(f"{path}.tmp", path)
+            os.replace(tmp, path)
     except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # DCP gathers every rank's errors
         raise checkpoint_error(path, step, args, e) from e
     for old in complete_checkpoints(args.output_dir)[: -args.keep_last] if args.keep_last > 0 and rank == 0 else []:
@@ -603,7 +592,7 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict={"state": state["optimizer"], "param_groups": optimizer_state["param_groups"]})
     same = manifest["args"]["world_size"] == args.world_size  # else the per-rank random streams restart
-    extra = torch.load(os.path.join(path, f"rank{dist.get_rank() if same else 0}.pt"), weights_only=True)
+    extra = torch.load(f"{path}/rank{dist.get_rank() if same else 0}.pt", weights_only=True)
     scheduler.load_state_dict(extra["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr  # the next step's (param_groups are not in the checkpoint)
@@ -617,26 +606,21 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
     return extra["step"], extra["state"]
 
 
-def save_hf_model(model, tokenizer, output_dir):
-    """Gather the full weights on rank 0 (a collective) and write a Hugging Face folder."""
+def finish(model, tokenizer, args, device):
+    """The full weights gathered (a collective) into a Hugging Face folder by rank 0; the peak memory
+    printed; wandb and the process group closed."""
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     first_name = {}  # tied parameters (embeddings = head) come back as copies: keep one
     for name, param in model.named_parameters(remove_duplicate=False):
         if first_name.setdefault(id(param), name) != name:
             state_dict.pop(name, None)
-    if dist.get_rank() == 0:
-        model.save_pretrained(output_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(output_dir)
-
-
-def finish(model, tokenizer, args, device):
-    """Write the Hugging Face folder, print the peak memory, close wandb and the process group."""
-    save_hf_model(model, tokenizer, args.output_dir)
     gpu = device.type == "cuda"
     peak = torch.tensor(torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                         * 1024.0, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
+        model.save_pretrained(args.output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(args.output_dir)
         print(f"saved {args.output_dir}; peak {'GPU' if gpu else 'CPU RSS'} memory per process {peak / 2**30:.2f} GiB")
         if args.track:
             import wandb
@@ -664,8 +648,7 @@ def guard_run(args, auto):
 
 
 def report_error(kind, error, traceback):
-    """sys.excepthook: a ScriptError is one line from the first process, exit 2 everywhere;
-    any other error keeps its traceback."""
+    """sys.excepthook: a ScriptError is one line from the first process, exit 2 everywhere."""
     if not isinstance(error, ScriptError):
         return sys.__excepthook__(kind, error, traceback)
     if os.environ.get("RANK", "0") == "0":
@@ -692,9 +675,9 @@ ARGUMENT_RULES = [
 def check_arguments(args):
     """Refuse a numeric argument that cannot be meant (a batch size of 0, a negative --beta...)."""
     for names, allowed, check in ARGUMENT_RULES:
-        for name in [name for name in names if getattr(args, name, None) is not None]:
-            if not check(getattr(args, name)):
-                raise ScriptError(f"--{name} {getattr(args, name)}: must be {allowed}")
+        for name, value in [(name, getattr(args, name, None)) for name in names]:
+            if value is not None and not check(value):
+                raise ScriptError(f"--{name} {value}: must be {allowed}")
 
 
 RUN_FILES = ("metrics.jsonl", "checkpoints", "model.safetensors", "model.safetensors.index.json")
@@ -704,7 +687,7 @@ OUTPUT_DIR_LOCK = []  # the first process's open output_dir/.lock
 
 
 def claim_output_dir(args, auto):
-    """The first process claims output_dir; every process must read its token (all write there)."""
+    """The first process claims output_dir; every process must read its token there."""
     verdict = [None, f"{os.uname().nodename} {os.getpid()} {time.time()}"]
     if dist.get_rank() == 0:
         verdict[0] = output_dir_verdict(args, auto, verdict[1])
@@ -715,18 +698,18 @@ def claim_output_dir(args, auto):
     dist.all_gather_object(views, (os.uname().nodename, os.path.exists(lock) and open(lock).read() == verdict[1]))
     if not all(same for _, same in views):
         raise ScriptError(f"--output_dir {args.output_dir} on {sorted({n for n, same in views if not same})} is not "
-                          "the first process's: give one all nodes share")
+                          "the first node's: give a shared folder")
 
 
 def output_dir_verdict(args, auto, token):
-    """The first process's refusal or None: a flock for the run's life keeps a second run out;
-    another run's folder is refused unless continued or --overwrite_output_dir."""
+    """The first process's refusal or None: a flock kept for the run's life; another run's folder refused
+    unless continued or overwritten."""
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         lock = open(os.path.join(args.output_dir, ".lock"), "a+")
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return f"another run is writing to --output_dir {args.output_dir}: let it finish, or choose another folder"
+        return f"another run is writing to --output_dir {args.output_dir}: wait, or choose another folder"
     except OSError as e:
         return f"--output_dir {args.output_dir}: {e.strerror}; give a folder"
     lock.truncate(0)
@@ -751,17 +734,17 @@ STOP_SIGNALS = []  # signals received: request_stop appends, guard_step reads
 
 
 def request_stop(signum, frame):
-    """SIGTERM or SIGINT: checkpoint at the next step and leave (a second Ctrl-C: at once)."""
+    """SIGTERM or SIGINT: checkpoint after this step and leave (a second Ctrl-C: at once)."""
     if signum == signal.SIGINT and STOP_SIGNALS:
         raise KeyboardInterrupt
     STOP_SIGNALS.append(signum)
 
 
 def guard_step(loss, grad_norm, step, args, state):
-    """One all-reduce: a non-finite loss or norm anywhere skips the update (--skip_nonfinite times),
-    a signal anywhere stops the run. Returns (update, stop)."""
-    flags = torch.stack([(~torch.isfinite(loss)).float(), (~torch.isfinite(grad_norm)).float(),
-                         torch.tensor(float(bool(STOP_SIGNALS)), device=grad_norm.device)])
+    """One all-reduce: a non-finite loss or norm anywhere skips the update (--skip_nonfinite times), a
+    signal anywhere stops the run."""
+    flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(grad_norm),
+                         torch.tensor(bool(STOP_SIGNALS), device=grad_norm.device)]).float()
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     bad_loss, bad_norm, stop = flags.tolist()
     if bad_loss or bad_norm:
@@ -770,7 +753,7 @@ def guard_step(loss, grad_norm, step, args, state):
         if len(state["skipped"]) > args.skip_nonfinite:
             last = (complete_checkpoints(args.output_dir) or ["none (see --save_every)"])[-1]
             raise ScriptError(f"step {step}: non-finite {what} (grad_norm {grad_norm.item()}), not applied. Last "
-                              f"complete checkpoint: {last}. Resume with a lower --learning_rate, or --skip_nonfinite")
+                              f"complete checkpoint: {last}. Lower --learning_rate, or --skip_nonfinite")
         if dist.get_rank() == 0:
             print(f"step {step}: non-finite {what}: update skipped ({len(state['skipped'])} of --skip_nonfinite "
                   f"{args.skip_nonfinite})")
@@ -788,17 +771,17 @@ def leave_after_signal(checkpoint):
 
 
 def check_local_path(path, what, auto_class=None):
-    """A name meant as local that is not there, refused before the hub retries it for a minute."""
+    """A local name that is not there, refused before the hub retries it for a minute."""
     meant_local = path.startswith(("/", "./", "../", "~")) or ("/" in path and os.path.isdir(path.split("/")[0]))
     if meant_local and not os.path.exists(os.path.expanduser(path)):
-        raise ScriptError(f"{what} {path!r}: no such file or folder (and not a hub id, owner/name)")
+        raise ScriptError(f"{what} {path!r}: no such file or folder")
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
     if auto_class is AutoTokenizer and os.path.isdir(path) and not any(os.path.exists(f"{path}/{f}") for f in files):
-        raise ScriptError(f"{what} {path!r} has no tokenizer files: save the tokenizer into the model folder")
+        raise ScriptError(f"{what} {path!r} has no tokenizer files: save the tokenizer there")
 
 
 def loading_error(auto_class, path, flag, error):
-    """Why a model or tokenizer does not load: a damaged file, no such name, or the library's reason."""
+    """Why a model or tokenizer does not load: a damaged file, no such name, or HF's reason."""
     if isinstance(error, SafetensorError):  # e.g. a file cut short
         return ScriptError(f"{flag} {path!r}: a weights file there is damaged ({error}); copy it again")
     if not os.path.exists(path):
@@ -811,13 +794,12 @@ def check_weights(model, info, path, flag):
     problems = [f"no weights for {sorted(info['missing_keys'])}"] if info["missing_keys"] else []
     problems += [f"weights {sorted(info['unexpected_keys'])} it does not use"] if info["unexpected_keys"] else []
     if problems:
-        raise ScriptError(f"{flag} {path!r} has {' and '.join(problems)} as {type(model).__name__}: give a model of "
-                          "that kind")
+        raise ScriptError(f"{flag} {path!r} has {' and '.join(problems)} as {type(model).__name__}: give one")
 
 
 def check_tokenizer(tokenizer, args):
-    """An EOS from the tokenizer's own files (with none in its config, HF makes one up)."""
-    listed = tokenizer.init_kwargs.get("added_tokens_decoder")  # the added tokens its files define, if it says
+    """An EOS (and a pad, if any) from the tokenizer's own files, not one HF made up."""
+    listed = tokenizer.init_kwargs.get("added_tokens_decoder")  # the added tokens its files define
     for name in ("eos", "pad"):
         token = getattr(tokenizer, f"{name}_token_id")
         made_up = listed and token and token >= tokenizer.vocab_size and token not in listed
@@ -830,8 +812,7 @@ DATASETS_METADATA = {"dataset_infos.json", "dataset_info.json", "state.json", "d
 
 
 def check_split_files(folder, splits):
-    """Every data file of a folder in a split: datasets skips files with no split word once
-    another file has one."""
+    """Every data file of a folder in a split (datasets skips files with no split word once one has)."""
     used, skipped = {os.path.realpath(f) for files in splits.values() for f in files}, []
     for root, folders, files in os.walk(folder):
         folders[:] = [f for f in folders if not f.startswith((".", "__"))]  # hidden: datasets skips them too
@@ -841,7 +822,7 @@ def check_split_files(folder, splits):
     if skipped:
         found = {split: [os.path.relpath(f, folder) for f in files] for split, files in splits.items()}
         raise ScriptError(f"dataset folder {folder!r}: {sorted(skipped)} would be in no split (found {found}); name "
-                          "files after their split (train.jsonl)")
+                          "each after its split")
 
 
 def data_file_problem(path):
@@ -866,8 +847,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def check_columns(dataset, args, split, tokenizer):
-    """Text, not numbers ("0457" read as 457); messages with a known role and text; no text
-    spelling a special token (it would become one: a fake turn, an early EOS)."""
+    """Text, not numbers ("0457" read as 457); messages with a role and text; no text spelling a special
+    token (it would become one: a fake turn, an early EOS)."""
     specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special})
     names = ["prompt", "completion", "chosen", "rejected", "messages", getattr(args, "prompt_column", "prompt"),
              getattr(args, "answer_column", "answer")]
@@ -885,11 +866,10 @@ def check_columns(dataset, args, split, tokenizer):
             texts = [value] if isinstance(value, str) else [] if bad else [m["content"] for m in messages]
             spelt = [t for t in specials for text in texts if t in text]
             problem = ("no value (null, or missing where other rows have one)" if value is None else
-                       f"{value!r} was read as a number, not text (a CSV cell or a JSON column mixing text and "
-                       "numbers): quote it in JSON" if not isinstance(value, (str, list)) else
+                       f"{value!r} was read as a number, not text: give it as a JSON string"
+                       if not isinstance(value, (str, list)) else
                        f"message {bad[0]!r} needs a role (one of {', '.join(ROLES)}) and a text content" if bad else
-                       f"the text {spelt[0]!r} would become a special token: remove it (the chat template writes "
-                       "them)" if spelt else None)
+                       f"the text {spelt[0]!r} would become a special token: remove it" if spelt else None)
             if problem:
                 raise ScriptError(f"{where}, row {row}: {problem}")
 
@@ -913,7 +893,7 @@ def check_splits(args, tokenizer, splits):
         if max(lengths, default=0) > limit:
             then = "its longest completion" if columns[1:] else f"--max_completion_length {args.max_completion_length}"
             raise ScriptError(f"split {split!r}: {max(lengths)} tokens (a prompt and {then} new tokens) are past the "
-                              f"{limit} positions of {model}: lower --max_completion_length or --max_prompt_length")
+                              f"{limit} positions of {model}: lower the length limits")
 
 
 def check_linear_head(model, head, hidden, logits):
@@ -922,7 +902,7 @@ def check_linear_head(model, head, hidden, logits):
         difference = (torch.nn.functional.linear(hidden, head.weight, head.bias).float() - logits.float()).abs()
     if (difference > 0.02 * (1 + logits.float().abs().max())).any():
         raise ScriptError(f"{type(model).__name__}: its logits are not its head's linear map of its last hidden "
-                          "states (a logit scale or soft-capping?)")
+                          "states")
 
 
 def checkpoint_error(path, step, args, error):
@@ -932,7 +912,7 @@ def checkpoint_error(path, step, args, error):
     cause = next(iter(error.failures.values()))[0] if isinstance(error, dcp.api.CheckpointException) else error
     full = "no space left on device; " if shutil.disk_usage(args.output_dir).free < 2**26 else ""
     last = (complete_checkpoints(args.output_dir) or ["none"])[-1]
-    return ScriptError(f"step {step}: the checkpoint {path} could not be written ({full}{cause!r}). The last complete "
+    return ScriptError(f"step {step}: the checkpoint {path} could not be written ({full}{cause!r}). The last "
                        f"checkpoint, {last}, is kept: make room, then --resume_from auto")
 
 
@@ -948,19 +928,18 @@ def check_checkpoint(path, args):
     """The manifest of a complete checkpoint of this run (every argument outside RESUMABLE the same)."""
     manifest = complete_checkpoint(path)
     if manifest is None:
-        raise ScriptError(f"--resume_from {path!r} is not a complete checkpoint: --resume_from auto picks the latest "
-                          "complete one")
+        raise ScriptError(f"--resume_from {path!r} is not a complete checkpoint: --resume_from auto finds one")
     mismatched = [f"{name} {manifest['args'].get(name)!r} in the checkpoint, {value!r} now"
                   for name, value in json.loads(json.dumps(vars(args))).items()
                   if name not in RESUMABLE and manifest["args"].get(name) != value]
     if mismatched:
         raise ScriptError(f"checkpoint {path} does not match the arguments: {'; '.join(mismatched)}. Resume with its "
-                          "arguments, or use another --output_dir")
+                          "arguments")
     return manifest
 
 
 class CheckpointReader(dcp.FileSystemReader):
-    """DCP's reader, .metadata unpickled through an allow-list with no bytes entry (DCP unpickles
+    """DCP's reader, .metadata unpickled through an allow-list, with no bytes entry (DCP unpickles
     those): a checkpoint cannot run planted code."""
 
     def __init__(self, path):

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, read_metrics, run_in_process, script_env
+from conftest import ROOT, read_metrics, run_in_process, run_script, script_env
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSequenceClassification
 
@@ -256,6 +256,38 @@ def test_nan_stops_the_run_before_the_update(script, toy, scored_model, tmp_path
     assert all(
         torch.equal(final[k], initial[k]) for k in final if k in initial and not initial[k].isnan().any()
     )  # reward.py: + a new head
+
+
+ONE_RANK_SCRIPT = r"""
+import os, sys, types, torch, torch.distributed as dist
+sys.path.insert(0, os.getcwd())
+import sft
+
+dist.init_process_group("gloo")
+rank, args = dist.get_rank(), types.SimpleNamespace(skip_nonfinite=9, output_dir=sys.argv[1])
+cases = {"nan loss": (float("nan"), 1.0), "inf grad_norm": (0.5, float("inf")), "signal": (0.5, 1.0)}
+for step, (name, (loss, norm)) in enumerate(cases.items(), 1):
+    sft.STOP_SIGNALS[:] = [15] if name == "signal" and rank == 1 else []
+    loss, norm = (torch.tensor(loss), torch.tensor(norm)) if rank == 1 else (torch.tensor(0.5), torch.tensor(1.0))
+    print(f"rank {rank} {name}: local {bool(torch.isfinite(loss) and torch.isfinite(norm))} "
+          f"verdict {sft.guard_step(loss, norm, step, args, {'skipped': []})}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_nan_or_a_signal_on_one_rank_alone_reaches_every_rank(tmp_path):
+    """guard_step's one all-reduce: a NaN loss, an inf gradient norm or a SIGTERM seen by rank 1 alone makes rank 0
+    skip the update or stop too (a rank that updated while another skipped would leave the shards of different steps;
+    one that stopped alone would hang the other in its next collective)."""
+    (tmp_path / "one_rank.py").write_text(ONE_RANK_SCRIPT)
+    out = run_script(str(tmp_path / "one_rank.py"), [tmp_path], nproc=2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank "))
+    expected = {"nan loss": "(False, False)", "inf grad_norm": "(False, False)", "signal": "(True, True)"}
+    for rank in (0, 1):
+        for name, verdict in expected.items():
+            local = rank == 0 or name == "signal"  # what this rank saw by itself
+            assert f"rank {rank} {name}: local {local} verdict {verdict}" in lines, out.stdout[-3000:]
 
 
 def test_nan_names_the_last_complete_checkpoint(toy, tmp_path):
