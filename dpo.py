@@ -366,8 +366,9 @@ def load_split(name, split):
         if "Unknown split" not in str(e):
             raise
     except datasets.exceptions.DatasetGenerationError as e:  # the files of one split differ in their columns
-        raise ScriptError(f"dataset {name!r}, split {split!r} does not load ({e.__cause__ or e}): name one file as "
-                          "the split (its name without extension)") from e
+        names = [os.path.basename(f) for f in files.get(split, [])]
+        raise ScriptError(f"dataset {name!r}, split {split!r} {names} does not load ({e.__cause__ or e}): name one "
+                          "file as the split (its name without extension)") from e
     except FileNotFoundError as e:
         raise ScriptError(f"dataset {name!r}: no such file or folder, nor on the hub ({e})") from e
 
@@ -496,15 +497,15 @@ def make_batch(prompts, completions, pad_token_id):
 def load_pretrained(auto_class, path, args, flag):
     """auto_class.from_pretrained(path), a model in fp32; refused naming `flag`."""
     check_local_path(path, flag, auto_class)
-    model = auto_class is not AutoTokenizer
-    options = {"dtype": torch.float32, "output_loading_info": True} if model else {}
+    options = {} if auto_class is AutoTokenizer else {"dtype": torch.float32, "output_loading_info": True}
     try:
         loaded = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **options)
     except (OSError, ValueError, SafetensorError) as e:
         raise loading_error(auto_class, path, flag, e) from e
-    if model:
-        check_weights(*loaded, path, flag)
-    return loaded[0] if model else loaded
+    if auto_class is AutoTokenizer:
+        return loaded
+    check_weights(*loaded, path, flag)
+    return loaded[0]
 
 
 def disable_dropout(model):
@@ -623,9 +624,10 @@ def is_due(step, every, args):
 
 def reduce_sums(sums):
     """{name: this rank's sum} -> {name: the sum over ranks}, one all-reduce."""
-    totals = torch.stack([sums[name].float() for name in sorted(sums)])
+    names = sorted(sums)
+    totals = torch.stack([sums[name].float() for name in names])
     dist.all_reduce(totals)
-    return dict(zip(sorted(sums), totals.tolist()))
+    return dict(zip(names, totals.tolist()))
 
 
 def log_metrics(metrics, path, args, progress, samples=None):
@@ -726,13 +728,14 @@ def finish(model, tokenizer, args, device):
     for name, param in model.named_parameters(remove_duplicate=False):
         if first_name.setdefault(id(param), name) != name:
             state_dict.pop(name, None)
+    if dist.get_rank() == 0:
+        model.save_pretrained(args.output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(args.output_dir)
     gpu = device.type == "cuda"
     peak = torch.tensor(torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                         * 1024.0, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
-        model.save_pretrained(args.output_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(args.output_dir)
         print(f"saved {args.output_dir}; peak {'GPU' if gpu else 'CPU RSS'} memory per process {peak / 2**30:.2f} GiB")
         if args.track:
             import wandb

@@ -214,9 +214,8 @@ def group_advantages(rewards, num_tokens, num_generations, args):
     """One advantage per completion, for each of its tokens (outcome supervision, Sec. 4.1.2 of arXiv:2402.03300),
     groups being consecutive rows. grpo: (r - group mean) / (std + 1e-4), the sample std of the group, of the rollout
     (batch) or none (Dr. GRPO). rloo: r - the mean of the other G - 1 (arXiv:2402.14740). Both give a group of equal
-    rewards exactly 0. reinforce_plus_plus: r whitened over the rollout's tokens (arXiv:2501.03262); _baseline:
-    r - group mean, then whitened (each completion weighted by its `num_tokens`, as verl's masked_whiten).
-    Returns the advantages and, per group, whether all its rewards are equal."""
+    rewards exactly 0. reinforce_plus_plus: r whitened over the rollout's tokens (arXiv:2501.03262); _baseline: r - mean
+    of group, then whitened (as verl's masked_whiten, weights `num_tokens`). Also: per group, are all rewards equal."""
     groups = rewards.view(-1, num_generations)
     zero_std = groups.max(1).values == groups.min(1).values
     advantages = groups - groups.mean(1, keepdim=True)
@@ -273,8 +272,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, args):
         policy_loss = -ratio.clamp(max=1 + args.epsilon_high).detach() * A * logps
     else:
         policy_loss = -torch.min(ratio * A, ratio.clamp(1 - args.epsilon, 1 + args.epsilon_high) * A)
-    per_token = policy_loss + (args.beta * kl_estimate(logps, ref_logps, old_logps, args.kl_estimator)
-                               if args.beta > 0 else 0.0)
+    kl = args.beta * kl_estimate(logps, ref_logps, old_logps, args.kl_estimator) if args.beta > 0 else 0.0
+    per_token = policy_loss + kl
     if args.loss_type == "sequence":
         return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / normaliser, ratio, policy_loss
     return (per_token * mask).sum() / normaliser, ratio, policy_loss
@@ -342,16 +341,15 @@ def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token
         input_ids, attention_mask, completion_mask = batch_on(device, rollout["prompts"], rollout["completions"], micro,
                                                               pad_token_id)
         width = completion_mask.shape[1]
-        mask, A = rollout["loss_mask"][micro, :width], rollout["advantages"][micro]
+        mask, A = rollout["loss_mask"][micro, :width], rollout["advantages"][micro, None]
         logps, entropy = completion_logprobs(model, input_ids, attention_mask, width, args.temperature, True)
         old = rollout["old_logps"][micro, :width] if rollout["old_logps"] is not None else logps.detach()
         ref = rollout["ref_logps"][micro, :width] if rollout["ref_logps"] is not None else None
-        loss, ratio, policy_loss = grpo_loss(logps, old, ref, A, mask, normaliser, args)
+        loss, ratio, policy_loss = grpo_loss(logps, old, ref, A[:, 0], mask, normaliser, args)
         loss.backward()
         step_loss += loss.detach()
         with torch.no_grad():  # sums over the tokens in the loss, under their metric names (window_metrics)
             kl = kl_estimate(logps, ref, old, "k3") if ref is not None else 0 * logps  # k3 whatever the loss uses
-            A = A[:, None]
             token_stats = {"loss/policy_avg": policy_loss, "policy/approxkl_avg": 0.5 * (logps - old) ** 2,
                            "objective/entropy": entropy, "val/ratio": ratio, "ratio_squared": ratio**2,
                            "clip_ratio/low": (ratio < 1 - args.epsilon) & (A < 0) & (args.policy_loss == "clip"),
@@ -547,8 +545,9 @@ def load_split(name, split):
         if "Unknown split" not in str(e):
             raise
     except datasets.exceptions.DatasetGenerationError as e:  # the files of one split differ in their columns
-        raise ScriptError(f"dataset {name!r}, split {split!r} does not load ({e.__cause__ or e}): name one file as "
-                          "the split (its name without extension)") from e
+        names = [os.path.basename(f) for f in files.get(split, [])]
+        raise ScriptError(f"dataset {name!r}, split {split!r} {names} does not load ({e.__cause__ or e}): name one "
+                          "file as the split (its name without extension)") from e
     except FileNotFoundError as e:
         raise ScriptError(f"dataset {name!r}: no such file or folder, nor on the hub ({e})") from e
 
@@ -598,10 +597,10 @@ def tokenize_prompts(dataset, tokenizer, args):
 def rollouts_of(num_prompts, generations, passes, args, dropped):
     """Set num_training_steps: rollouts of `passes` x num_mini_batches optimizer steps."""
     steps_per_rollout = passes * args.num_mini_batches
-    for flag in ("max_steps", "save_every"):
-        if getattr(args, flag) > 0 and getattr(args, flag) % steps_per_rollout:
-            raise ScriptError(f"--{flag} {getattr(args, flag)}: must be a multiple of the {steps_per_rollout} "
-                              "optimizer steps of a rollout")
+    for flag, value in (("--max_steps", args.max_steps), ("--save_every", args.save_every)):
+        if value > 0 and value % steps_per_rollout:
+            raise ScriptError(f"{flag} {value}: must be a multiple of the {steps_per_rollout} optimizer steps of a "
+                              "rollout")
     prompts_per_rollout = args.rollout_batch_size // generations
     if num_prompts < prompts_per_rollout:
         raise ScriptError(f"{num_prompts} training prompts (dropped: {dropped}) cannot fill a rollout of "
@@ -663,15 +662,15 @@ def batch_on(device, prompts, completions, rows, pad_token_id):
 def load_pretrained(auto_class, path, args, flag):
     """auto_class.from_pretrained(path), a model in fp32; refused naming `flag`."""
     check_local_path(path, flag, auto_class)
-    model = auto_class is not AutoTokenizer
-    options = {"dtype": torch.float32, "output_loading_info": True} if model else {}
+    options = {} if auto_class is AutoTokenizer else {"dtype": torch.float32, "output_loading_info": True}
     try:
         loaded = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **options)
     except (OSError, ValueError, SafetensorError) as e:
         raise loading_error(auto_class, path, flag, e) from e
-    if model:
-        check_weights(*loaded, path, flag)
-    return loaded[0] if model else loaded
+    if auto_class is AutoTokenizer:
+        return loaded
+    check_weights(*loaded, path, flag)
+    return loaded[0]
 
 
 def disable_dropout(model):
@@ -894,9 +893,10 @@ def is_due(step, every, args):
 
 def reduce_sums(sums):
     """{name: this rank's sum} -> {name: the sum over ranks}, one all-reduce."""
-    totals = torch.stack([sums[name].float() for name in sorted(sums)])
+    names = sorted(sums)
+    totals = torch.stack([sums[name].float() for name in names])
     dist.all_reduce(totals)
-    return dict(zip(sorted(sums), totals.tolist()))
+    return dict(zip(names, totals.tolist()))
 
 
 def log_metrics(metrics, path, args, progress, samples=None):
@@ -997,13 +997,14 @@ def finish(model, tokenizer, args, device):
     for name, param in model.named_parameters(remove_duplicate=False):
         if first_name.setdefault(id(param), name) != name:
             state_dict.pop(name, None)
+    if dist.get_rank() == 0:
+        model.save_pretrained(args.output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(args.output_dir)
     gpu = device.type == "cuda"
     peak = torch.tensor(torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                         * 1024.0, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
-        model.save_pretrained(args.output_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(args.output_dir)
         print(f"saved {args.output_dir}; peak {'GPU' if gpu else 'CPU RSS'} memory per process {peak / 2**30:.2f} GiB")
         if args.track:
             import wandb
