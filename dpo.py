@@ -232,8 +232,7 @@ def main(args):
         raise ScriptError(f"--label_smoothing applies to --loss_type sigmoid only, not {args.loss_type}")
 
     # 2. data: every rank tokenises the same rows, so each knows the whole global batch
-    tokenizer, pad_token_id = load_tokenizer(args)
-    train, test, dropped = load_data(args, tokenizer, tokenize_preference)
+    tokenizer, pad_token_id, train, test, dropped = load_data(args, tokenize_preference)
     epochs_of(len(train["prompt"]), args, dropped)
 
     # 3. models + FSDP2: the policy, then the frozen reference (the SFT model unless --ref_model_name_or_path), both
@@ -320,16 +319,12 @@ def setup(args):
     return rank, world_size, device
 
 
-def load_tokenizer(args):
-    """The tokenizer and pad id (EOS if none: masks come from lengths)."""
+def load_data(args, tokenize):
+    """The tokenizer, its pad id (EOS if none: masks come from lengths), the train and test splits tokenised,
+    whole on every rank, and the rows dropped."""
     tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
     check_tokenizer(tokenizer, args)
-    return tokenizer, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
-def load_data(args, tokenizer, tokenize):
-    """Train and test splits, tokenised, whole on every rank."""
-    splits = {}
+    pad_token_id, splits = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id, {}
     for split in (args.dataset_train_split, args.dataset_test_split):
         dataset = load_split(args.dataset_name, split)
         if dataset is not None:
@@ -340,7 +335,7 @@ def load_data(args, tokenizer, tokenize):
     if dist.get_rank() == 0:
         print(f"train: {len(train['prompt'])} of {size} rows kept; dropped: {dropped}; eval: "
               + (f"{len(test['prompt'])} rows" if test else f"no split {args.dataset_test_split!r}"))
-    return train, test if test and test["prompt"] else None, dropped
+    return tokenizer, pad_token_id, train, test if test and test["prompt"] else None, dropped
 
 
 DATA_EXTENSIONS = tuple(kind + packing for kind in (".json", ".jsonl", ".parquet", ".csv")
@@ -356,7 +351,10 @@ def load_split(name, split):
         return load_file(name) if split == "train" else None
     if os.path.isfile(os.path.join(name, "dataset_dict.json")):
         return datasets.load_from_disk(name).get(split)
-    files = folder_splits(name) if os.path.isdir(name) else {}
+    files = {}
+    if os.path.isdir(name):  # the files of each split, as datasets finds them
+        files = {str(k): list(v) for k, v in datasets.load_dataset_builder(name).config.data_files.items()}
+        check_split_files(name, files)
     if files and split not in files:
         named = sorted(f for f in os.listdir(name) if f.endswith(DATA_EXTENSIONS) and f.split(".")[0] == split)
         return load_file(os.path.join(name, named[0])) if named else None
@@ -382,13 +380,6 @@ def load_file(path):
         return datasets.load_dataset(builder, data_files=path, split="train")
     except Exception as e:
         raise ScriptError(builder == "json" and data_file_problem(path) or f"dataset {path!r}: {e!r}") from e
-
-
-def folder_splits(folder):
-    """The data files of each split of a local folder, as datasets finds them."""
-    splits = {str(k): list(v) for k, v in datasets.load_dataset_builder(folder).config.data_files.items()}
-    check_split_files(folder, splits)
-    return splits
 
 
 def tokenize_prompt_completion(tokenizer, prompt, completion):

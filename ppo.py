@@ -364,11 +364,10 @@ def main(args):
     args.rollout_batch_size = N = args.batch_size * args.num_mini_batches
 
     # 2. data: every rank tokenises the same prompts, so each knows the whole rollout
-    tokenizer, pad_token_id = load_tokenizer(args)
+    tokenizer, pad_token_id, train, test, dropped = load_data(args, tokenize_prompts)
     stop_token_id = tokenizer.convert_tokens_to_ids(args.stop_token) if args.stop_token else tokenizer.eos_token_id
     if stop_token_id is None or stop_token_id == tokenizer.unk_token_id:
         raise ScriptError(f"--stop_token {args.stop_token!r} is not one token of the tokenizer")
-    train, test, dropped = load_data(args, tokenizer, tokenize_prompts)
     num_rollouts, steps_per_rollout = rollouts_of(len(train["prompt"]), 1, args.num_ppo_epochs, args, dropped)
 
     # 3. models + FSDP2: the policy and the value model (trained), then the frozen reference and reward model
@@ -471,16 +470,12 @@ def setup(args):
     return rank, world_size, device
 
 
-def load_tokenizer(args):
-    """The tokenizer and pad id (EOS if none: masks come from lengths)."""
+def load_data(args, tokenize):
+    """The tokenizer, its pad id (EOS if none: masks come from lengths), the train and test splits tokenised,
+    whole on every rank, and the rows dropped."""
     tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
     check_tokenizer(tokenizer, args)
-    return tokenizer, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
-def load_data(args, tokenizer, tokenize):
-    """Train and test splits, tokenised, whole on every rank."""
-    splits = {}
+    pad_token_id, splits = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id, {}
     for split in (args.dataset_train_split, args.dataset_test_split):
         dataset = load_split(args.dataset_name, split)
         if dataset is not None:
@@ -491,7 +486,7 @@ def load_data(args, tokenizer, tokenize):
     if dist.get_rank() == 0:
         print(f"train: {len(train['prompt'])} of {size} rows kept; dropped: {dropped}; eval: "
               + (f"{len(test['prompt'])} rows" if test else f"no split {args.dataset_test_split!r}"))
-    return train, test if test and test["prompt"] else None, dropped
+    return tokenizer, pad_token_id, train, test if test and test["prompt"] else None, dropped
 
 
 DATA_EXTENSIONS = tuple(kind + packing for kind in (".json", ".jsonl", ".parquet", ".csv")
@@ -507,7 +502,10 @@ def load_split(name, split):
         return load_file(name) if split == "train" else None
     if os.path.isfile(os.path.join(name, "dataset_dict.json")):
         return datasets.load_from_disk(name).get(split)
-    files = folder_splits(name) if os.path.isdir(name) else {}
+    files = {}
+    if os.path.isdir(name):  # the files of each split, as datasets finds them
+        files = {str(k): list(v) for k, v in datasets.load_dataset_builder(name).config.data_files.items()}
+        check_split_files(name, files)
     if files and split not in files:
         named = sorted(f for f in os.listdir(name) if f.endswith(DATA_EXTENSIONS) and f.split(".")[0] == split)
         return load_file(os.path.join(name, named[0])) if named else None
@@ -533,13 +531,6 @@ def load_file(path):
         return datasets.load_dataset(builder, data_files=path, split="train")
     except Exception as e:
         raise ScriptError(builder == "json" and data_file_problem(path) or f"dataset {path!r}: {e!r}") from e
-
-
-def folder_splits(folder):
-    """The data files of each split of a local folder, as datasets finds them."""
-    splits = {str(k): list(v) for k, v in datasets.load_dataset_builder(folder).config.data_files.items()}
-    check_split_files(folder, splits)
-    return splits
 
 
 def tokenize_prompts(dataset, tokenizer, args):

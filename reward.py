@@ -177,37 +177,20 @@ def load_with_score_head(args, pad_token_id):
 
 
 @torch.no_grad()
-def evaluate(model, test, args, pad_token_id):
-    """Mean loss and accuracy (the chosen completion scored higher) over the test pairs, each rank its share."""
+def evaluate(model, data, args, pad_token_id):
+    """Mean loss and accuracy (the chosen completion scored higher) over `data`'s pairs, each rank its share,
+    and the mean score of their completions."""
     model.eval()
-    totals = torch.zeros(2, device=next(model.parameters()).device)
-    for rows, valid in rank_micro_batches(len(test["prompt"]), dist.get_rank(), args.world_size,
+    totals = torch.zeros(3, device=next(model.parameters()).device)
+    for rows, valid in rank_micro_batches(len(data["prompt"]), dist.get_rank(), args.world_size,
                                           args.per_device_eval_batch_size):
-        chosen, rejected, _ = score_pairs(model, test, rows, pad_token_id)
-        loss = bradley_terry_loss(chosen, rejected, chosen.new_tensor([test["margin"][i] for i in rows]))
-        totals += valid * torch.stack([loss.sum(), (chosen > rejected).sum()])
+        chosen, rejected, _ = score_pairs(model, data, rows, pad_token_id)
+        loss = bradley_terry_loss(chosen, rejected, chosen.new_tensor([data["margin"][i] for i in rows]))
+        totals += valid * torch.stack([loss.sum(), (chosen > rejected).sum(), (chosen + rejected).sum() / 2])
     dist.all_reduce(totals)
     model.train()
-    loss, accuracy = (totals / len(test["prompt"])).tolist()
-    return {"eval/loss": loss, "eval/accuracy": accuracy}
-
-
-@torch.no_grad()
-def normalize_scores(model, train, args, pad_token_id):
-    """Centre the scores: mean 0 over the training completions (chosen and rejected), the shift saved as
-    config.score_bias (sequence_scores adds it), so the RL scripts see rewards around 0 from the first step."""
-    model.eval()
-    totals = torch.zeros(2, device=next(model.parameters()).device)
-    for rows, valid in rank_micro_batches(len(train["prompt"]), dist.get_rank(), args.world_size,
-                                          args.per_device_eval_batch_size):
-        chosen, rejected, _ = score_pairs(model, train, rows, pad_token_id)
-        totals += valid * torch.stack([chosen.sum() + rejected.sum(), chosen.new_tensor(2.0 * len(rows))])
-    dist.all_reduce(totals)
-    mean = totals[0].item() / totals[1].item()
-    model.config.score_bias = getattr(model.config, "score_bias", 0.0) - mean
-    if dist.get_rank() == 0:
-        print(f"normalize_reward: mean score {mean:.4f} over {int(totals[1].item())} training completions; score_bias "
-              f"now {model.config.score_bias:.4f}")
+    loss, accuracy, score = (totals / len(data["prompt"])).tolist()
+    return {"eval/loss": loss, "eval/accuracy": accuracy}, score
 
 
 def main(args):
@@ -215,8 +198,7 @@ def main(args):
     rank, world_size, device = setup(args)
 
     # 2. data: every rank tokenises the same rows, so each knows the whole global batch
-    tokenizer, pad_token_id = load_tokenizer(args)
-    train, test, dropped = load_data(args, tokenizer, tokenize_preference)
+    tokenizer, pad_token_id, train, test, dropped = load_data(args, tokenize_preference)
     epochs_of(len(train["prompt"]), args, dropped)
 
     # 3. model + FSDP2: the SFT model with a score head, no dropout
@@ -254,7 +236,7 @@ def main(args):
                        "tokens_per_second": w.pop("tokens") / (time.time() - window_start)}
             metrics |= {name: value / steps for name, value in w.items()}
             if is_due(step, args.eval_every, args) and test:
-                metrics.update(evaluate(model, test, args, pad_token_id))
+                metrics.update(evaluate(model, test, args, pad_token_id)[0])
             log_metrics(metrics, metrics_path, args, progress)
             sums, logged, window_start = collections.defaultdict(sums.default_factory), step, time.time()
         if stop or (args.save_every > 0 and step % args.save_every == 0):
@@ -262,9 +244,13 @@ def main(args):
             if stop:  # a SIGTERM or SIGINT: the checkpoint is written
                 leave_after_signal(folder)
 
-    # 6. centre the scores (--normalize_reward), save the Hugging Face folder; report the peak memory
+    # 6. centre the scores: mean 0 over the training completions, the shift saved as config.score_bias (which
+    # sequence_scores adds), so the RL scripts see rewards around 0 from the first step; save the HF folder
     if args.normalize_reward:
-        normalize_scores(model, train, args, pad_token_id)
+        mean = evaluate(model, train, args, pad_token_id)[1]
+        model.config.score_bias = getattr(model.config, "score_bias", 0.0) - mean
+        if rank == 0:
+            print(f"normalize_reward: mean score {mean:.4f}; score_bias now {model.config.score_bias:.4f}")
     finish(model, tokenizer, args, device)
 
 
@@ -290,16 +276,12 @@ def setup(args):
     return rank, world_size, device
 
 
-def load_tokenizer(args):
-    """The tokenizer and pad id (EOS if none: masks come from lengths)."""
+def load_data(args, tokenize):
+    """The tokenizer, its pad id (EOS if none: masks come from lengths), the train and test splits tokenised,
+    whole on every rank, and the rows dropped."""
     tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
     check_tokenizer(tokenizer, args)
-    return tokenizer, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
-def load_data(args, tokenizer, tokenize):
-    """Train and test splits, tokenised, whole on every rank."""
-    splits = {}
+    pad_token_id, splits = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id, {}
     for split in (args.dataset_train_split, args.dataset_test_split):
         dataset = load_split(args.dataset_name, split)
         if dataset is not None:
@@ -310,7 +292,7 @@ def load_data(args, tokenizer, tokenize):
     if dist.get_rank() == 0:
         print(f"train: {len(train['prompt'])} of {size} rows kept; dropped: {dropped}; eval: "
               + (f"{len(test['prompt'])} rows" if test else f"no split {args.dataset_test_split!r}"))
-    return train, test if test and test["prompt"] else None, dropped
+    return tokenizer, pad_token_id, train, test if test and test["prompt"] else None, dropped
 
 
 DATA_EXTENSIONS = tuple(kind + packing for kind in (".json", ".jsonl", ".parquet", ".csv")
@@ -326,7 +308,10 @@ def load_split(name, split):
         return load_file(name) if split == "train" else None
     if os.path.isfile(os.path.join(name, "dataset_dict.json")):
         return datasets.load_from_disk(name).get(split)
-    files = folder_splits(name) if os.path.isdir(name) else {}
+    files = {}
+    if os.path.isdir(name):  # the files of each split, as datasets finds them
+        files = {str(k): list(v) for k, v in datasets.load_dataset_builder(name).config.data_files.items()}
+        check_split_files(name, files)
     if files and split not in files:
         named = sorted(f for f in os.listdir(name) if f.endswith(DATA_EXTENSIONS) and f.split(".")[0] == split)
         return load_file(os.path.join(name, named[0])) if named else None
@@ -352,13 +337,6 @@ def load_file(path):
         return datasets.load_dataset(builder, data_files=path, split="train")
     except Exception as e:
         raise ScriptError(builder == "json" and data_file_problem(path) or f"dataset {path!r}: {e!r}") from e
-
-
-def folder_splits(folder):
-    """The data files of each split of a local folder, as datasets finds them."""
-    splits = {str(k): list(v) for k, v in datasets.load_dataset_builder(folder).config.data_files.items()}
-    check_split_files(folder, splits)
-    return splits
 
 
 def tokenize_prompt_completion(tokenizer, prompt, completion):
