@@ -82,3 +82,33 @@ def test_quickstart_fast_mode(tmp_path, monkeypatch, capsys):
         (out / "curves.png").unlink()
     assert plot_curves(str(out), report["curves"], 0.5, 0.5, []) is None and not (out / "curves.png").exists()
     assert "matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_details_fast_mode(tmp_path):
+    """examples/details.py in its fast mode (FAST=1: 2 steps of each run, one seed, one process a run, two runs at a
+    time): it trains its SFT and reward models first, every run of every finding is the script with the finding's
+    own flags, and each finding gets its table rows and (with matplotlib) its figure. What the findings show is
+    measured by the full mode (README, "What the details change")."""
+    out, qs, toy = tmp_path / "details", tmp_path / "qs", tmp_path / "toy"
+    env = script_env({"FAST": "1", "OUT": str(out), "QS": str(qs), "TOY": str(toy)})
+    command = [sys.executable, "examples/details.py"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-8000:]
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import details
+
+    table = open(out / "table.md").read()
+    assert read_metrics(qs / "sft")[-1]["step"] == 10 and read_metrics(qs / "reward")[-1]["step"] == 5
+    for finding, title, runs, metrics in details.FINDINGS:
+        section = table.split(f"## {title}\n")[1].split("\n## ")[0]
+        for label, runner, flags in runs:
+            folder = out / f"{details.folder_name(label, runner, flags)}_s1"
+            ran = open(folder / "command.txt").read()
+            assert f"{runner.__name__}.py" in ran and " ".join(map(str, flags)) in ran, (finding, label, ran)
+            assert read_metrics(folder)[-1]["step"] == (4 if runner is details.ppo else 2), (finding, label)
+            assert f"| {label} | 1 | " in section, (finding, label)
+        if importlib.util.find_spec("matplotlib"):
+            assert (out / f"{finding}.png").stat().st_size > 10_000, finding
+    # a second call finds every run done: nothing runs again
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and " s\n" not in again.stdout.split("# What the details change")[0], again.stdout

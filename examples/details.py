@@ -1,0 +1,194 @@
+"""What each detail changes, measured on the offline toy task. Every run is one of the scripts with its own flags:
+this file only picks the flags, reads each run's metrics.jsonl, scores the final models and draws.
+
+    python examples/details.py          # about 12 minutes on 2 CPU cores: runs/details/*.png and table.md
+    FAST=1 python examples/details.py   # 2 steps of each run, one seed, one process (what a test runs)
+
+It starts from the quickstart's SFT and reward models (QS, default runs/quickstart: sft/ and reward/), training them
+first with the quickstart's flags when they are missing, and writes the toy task (TOY, default toy) when missing.
+OUT (default runs/details) gets one folder and one log per run, a figure per finding and table.md. A run whose folder
+holds a finished model of the same command is not run again. NPROC (default 2; FAST: 1) processes per run,
+PARALLEL (default 1; 2 when NPROC is 1) runs at a time.
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from toy_task import greedy_scores, load_causal_lm, write_toy_task  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = os.environ.get("FAST") == "1"
+NPROC = int(os.environ.get("NPROC", "1" if FAST else "2"))
+PARALLEL = int(os.environ.get("PARALLEL", "2" if NPROC == 1 else "1"))  # runs at a time
+OUT, QS, TOY = (os.path.abspath(os.environ.get(k, v)) for k, v in
+                (("OUT", "runs/details"), ("QS", "runs/quickstart"), ("TOY", "toy")))
+SEEDS = [1] if FAST else [1, 2]
+MB = 32 // NPROC  # a global batch of 32 rows whatever the number of processes
+
+
+def steps(full, fast=2):
+    return fast if FAST else full
+
+
+def run(script, folder, *flags):
+    """Run `script` with `flags` into `folder` (its output in folder.log) unless it is there already; its metrics."""
+    launcher = ["torchrun", "--standalone", "--nproc_per_node", str(NPROC)] if NPROC > 1 else [sys.executable]
+    command = launcher + [script, *map(str, flags), "--output_dir", folder, "--overwrite_output_dir"]
+    stamp = os.path.join(folder, "command.txt")
+    done = os.path.exists(stamp) and open(stamp).read() == shlex.join(command)
+    if not (done and os.path.exists(os.path.join(folder, "config.json"))):
+        start = time.time()
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        with open(f"{folder}.log", "w") as log:
+            result = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        if result.returncode:
+            sys.exit(f"{shlex.join(command)} failed: see {folder}.log")
+        open(stamp, "w").write(shlex.join(command))
+        print(f"{os.path.relpath(folder, OUT)}: {time.time() - start:.0f} s", flush=True)
+    return [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+
+
+def base_models():
+    """The quickstart's SFT model and reward model (its flags, fewer steps with FAST)."""
+    if not os.path.exists(os.path.join(TOY, "model")):
+        write_toy_task(TOY, num_train=512 if FAST else 4000, num_test=50 if FAST else 200)
+    common = f"--warmup_ratio 0.05 --lr_scheduler_type cosine --per_device_train_batch_size {MB}"
+    run("sft.py", f"{QS}/sft", *f"--model_name_or_path {TOY}/model --dataset_name {TOY}/sft --learning_rate 2e-3 "
+        f"--max_steps {steps(300, 10)} {common}".split())
+    run("reward.py", f"{QS}/reward", *f"--model_name_or_path {QS}/sft --dataset_name {TOY}/preference "
+        f"--learning_rate 3e-4 --num_train_epochs 2 --max_steps {steps(-1, 5)} {common}".split())
+
+
+def grpo(name, seed, *flags):
+    """GRPO from the SFT model with the quickstart's flags (20 steps), evaluated every 5, logged every step."""
+    return run("grpo.py", f"{OUT}/{name}_s{seed}", *f"--model_name_or_path {QS}/sft --dataset_name {TOY}/prompts "
+               f"--reward_fn exact_match --learning_rate 1e-4 --max_steps {steps(20)} --warmup_ratio 0.1 "
+               f"--per_device_train_batch_size {MB} --gradient_accumulation_steps 4 --max_completion_length 10 "
+               f"--per_device_eval_batch_size 100 --log_every 1 --eval_every {steps(5, 1)} --seed {seed}".split(),
+               *flags)
+
+
+def dpo(name, seed, *flags):
+    """DPO from the SFT model with the quickstart's flags (40 steps), logged every 2."""
+    return run("dpo.py", f"{OUT}/{name}_s{seed}", *f"--model_name_or_path {QS}/sft --dataset_name {TOY}/preference "
+               f"--max_steps {steps(40)} --warmup_ratio 0.05 --lr_scheduler_type cosine "
+               f"--per_device_train_batch_size {MB} --log_every 2 --seed {seed}".split(), *flags)
+
+
+def ppo(name, seed, *flags):
+    """PPO's first 8 steps (2 rollouts) from the SFT and reward models, the quickstart's flags, logged each step."""
+    return run("ppo.py", f"{OUT}/{name}_s{seed}", *f"--model_name_or_path {QS}/sft --reward_model_path {QS}/reward "
+               f"--dataset_name {TOY}/prompts --adam_epsilon 1e-5 --learning_rate 5e-5 --max_steps {steps(8, 4)} "
+               f"--num_ppo_epochs 2 --num_mini_batches 2 --per_device_train_batch_size {MB} "
+               "--gradient_accumulation_steps 4 --max_completion_length 10 --local_rollout_forward_batch_size 128 "
+               f"--log_every 1 --seed {seed}".split(), *flags)
+
+
+def exact_match(name, seed):
+    """Greedy exact match of a run's final model on the toy test prompts: all, the flawed subset, the others."""
+    rows = [json.loads(line) for line in open(os.path.join(TOY, "prompts", "test.jsonl"))]
+    model, tok = load_causal_lm(f"{OUT}/{name}_s{seed}")
+    return greedy_scores(model, tok, rows)
+
+
+# Each finding: (its name, a title that reads alone, the runs as (label, runner, flags), the metrics to draw, what
+# the table reports). The runs share folders by name: "grpo_base" is the quickstart's GRPO at 20 steps.
+BASE = ("grpo_base", grpo, [])
+FINDINGS = [
+    ("kl_estimator", "GRPO, beta 1: the KL estimator in the loss and KL(pi || pi_ref) (k3, logged)",
+     [("k1", grpo, ["--beta", 1.0, "--kl_estimator", "k1"]), ("k2", grpo, ["--beta", 1.0, "--kl_estimator", "k2"]),
+      ("k3", grpo, ["--beta", 1.0, "--kl_estimator", "k3"]),
+      ("k1_ratio", grpo, ["--beta", 1.0, "--kl_estimator", "k1_ratio"]),
+      ("beta 1e-6 (no KL term)", grpo, ["--beta", 1e-6])],
+     ["objective/kl", "eval/scores"]),
+    ("adam", "PPO's first updates (lr 5e-5, epsilon 1e-5): TF-style Adam against torch's AdamW (weight decay 0)",
+     [("adam_tf", ppo, ["--optimizer", "adam_tf"]), ("torch AdamW", ppo, ["--optimizer", "adamw"])],
+     ["val/ratio", "policy/clipfrac_avg", "policy/approxkl_avg"]),
+    ("loss_type", "GRPO: what the summed loss is divided by, and the completions' length",
+     [("token (DAPO)", *BASE[1:]), ("sequence (GRPO paper)", grpo, ["--loss_type", "sequence"]),
+      ("constant (Dr. GRPO)", grpo, ["--loss_type", "constant"])],
+     ["completions/mean_length", "eval/scores"]),
+    ("scale_rewards", "GRPO: advantages divided by the group's std, or not (Dr. GRPO)",
+     [("group std", *BASE[1:]), ("none", grpo, ["--scale_rewards", "none"])],
+     ["objective/scores", "eval/scores"]),
+    ("dpo", "DPO: beta and the learning rate, and the log-probs of the chosen and rejected answers",
+     [("beta 1, lr 1e-4", dpo, ["--beta", 1.0, "--learning_rate", 1e-4]),
+      ("beta 0.1, lr 1e-4", dpo, ["--beta", 0.1, "--learning_rate", 1e-4]),
+      ("beta 0.1, lr 1e-3", dpo, ["--beta", 0.1, "--learning_rate", 1e-3])],
+     ["logps/chosen", "logps/rejected", "rewards/accuracies"]),
+    ("group_size", "GRPO: the group size G at 128 completions a step (128 / G prompts)",
+     [("G 2", grpo, ["--num_generations", 2]), ("G 8", *BASE[1:]), ("G 16", grpo, ["--num_generations", 16])],
+     ["frac_reward_zero_std", "eval/scores"]),
+]
+
+
+def folder_name(label, runner, flags):
+    return "grpo_base" if (runner, flags) == BASE[1:] else f"{runner.__name__}_" + "_".join(
+        str(f).lstrip("-") for f in flags)
+
+
+def main():
+    os.makedirs(OUT, exist_ok=True)
+    start = time.time()
+    base_models()
+    jobs = {(runner, folder_name(label, runner, flags), seed, tuple(flags))
+            for _, _, runs, _ in FINDINGS for label, runner, flags in runs for seed in SEEDS}
+    with ThreadPoolExecutor(PARALLEL) as pool:  # each run once, even where findings share it
+        list(pool.map(lambda job: job[0](job[1], job[2], *job[3]), sorted(jobs, key=lambda job: job[1:3])))
+    results, table = {}, ["# What the details change (examples/details.py)", ""]
+    for finding, title, runs, metrics in FINDINGS:
+        results[finding] = {}
+        table += [f"## {title}", "", "| run | seed | " + " | ".join(metrics) + " (last step) | exact match: all / "
+                  "flawed / other |", "|---" * (len(metrics) + 3) + "|"]
+        for label, runner, flags in runs:
+            name = folder_name(label, runner, flags)
+            for seed in SEEDS:
+                rows = runner(name, seed, *flags)
+                em = exact_match(name, seed) if runner is not ppo else None
+                results[finding].setdefault(label, []).append({"rows": rows, "exact_match": em})
+                last = " | ".join(f"{rows[-1][m]:.4g}" for m in metrics)
+                scores = " / ".join(f"{v:.3f}" for v in em.values()) if em else ""
+                table.append(f"| {label} | {seed} | {last} | {scores} |")
+        table.append("")
+        draw(finding, title, results[finding], metrics)
+    seconds = time.time() - start
+    table.append(f"{NPROC} processes a run; {seconds / 60:.1f} minutes in all (runs already there not rerun).")
+    open(os.path.join(OUT, "table.md"), "w").write("\n".join(table) + "\n")
+    json.dump(results, open(os.path.join(OUT, "results.json"), "w"))
+    print("\n".join(table))
+
+
+def draw(finding, title, runs, metrics):
+    """One figure per finding: a panel per metric over the optimizer steps, a colour per run, a line per seed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return print("matplotlib is not installed: no figure")
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.4), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for colour, (label, seeds) in enumerate(runs.items()):
+            for k, seed in enumerate(seeds):
+                points = [(r["step"], r[metric]) for r in seed["rows"] if metric in r]
+                ax.plot(*zip(*points), color=f"C{colour}", alpha=0.85 if k == 0 else 0.45,
+                        label=label if k == 0 else None)
+        ax.set_title(metric, fontsize=10)
+        ax.set_xlabel("optimizer step")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{title}\n(toy task, {len(SEEDS)} seed{'s' if len(SEEDS) > 1 else ''} each: "
+                 "the fainter line is seed 2)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(OUT, f"{finding}.png"), dpi=90)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
