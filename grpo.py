@@ -2,8 +2,9 @@
 verifier and/or a reward model), use each reward relative to its group as the advantage of all the completion's
 tokens, and optimise PPO's clipped surrogate with a KL penalty to the reference model in the loss. No value model.
 Paper: arXiv:2402.03300 (DeepSeekMath, Sec. 4.1). Variants, a flag or two each (README): DAPO, Dr. GRPO, GSPO, CISPO,
-RLOO, REINFORCE++. Unlike the paper: --loss_type token (DAPO) is the default; outcome rewards only; a group of equal
-rewards gets exactly 0 advantage; rollouts do not depend on the number of processes.
+RLOO, REINFORCE++, rejection sampling of each group (RSO). Unlike the paper: --loss_type token (DAPO) is the default;
+outcome rewards only; a group of equal rewards gets exactly 0 advantage; rollouts do not depend on the number of
+processes.
 Run:  torchrun --nproc_per_node 2 grpo.py --model_name_or_path runs/sft --dataset_name toy/prompts --max_steps 30 \
           --output_dir runs/grpo --learning_rate 1e-4 --gradient_accumulation_steps 4 --max_completion_length 10
       torchrun --nproc_per_node 8 grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
@@ -142,6 +143,10 @@ class Args:
     """new tokens per completion (one without EOS by then is truncated)"""
     num_generations: int = 8
     """completions per prompt: the group whose rewards are compared (G)"""
+    num_candidates: Optional[int] = None
+    """completions sampled per prompt, of which rejection sampling keeps G (default: G, none rejected)"""
+    rejection_sampling_beta: Optional[float] = None
+    """its temperature (RSO): near 0 keeps the best G, large keeps G at random; needed with num_candidates > G"""
     num_mini_batches: int = 1
     """optimizer steps per pass over a rollout"""
     num_iterations: int = 1
@@ -172,8 +177,8 @@ class Args:
     # GRPO and its variants (the README's table says which flags give which method)
     advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
     """how rewards become advantages (group_advantages)"""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """grpo: divide r - group mean by the std of the group, of the rollout (batch), or not (none: Dr. GRPO)"""
+    scale_rewards: Literal["group", "batch", "group_then_batch", "none"] = "group"
+    """grpo: divide r - group mean by the std of the group, rollout (batch), both in turn, or none (Dr. GRPO)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """token: a ratio pi / pi_old per token; sequence: one per completion (GSPO)"""
     policy_loss: Literal["clip", "cispo"] = "clip"
@@ -213,9 +218,10 @@ def verifier_reward(completion, answer, reward_fn):
 def group_advantages(rewards, num_tokens, num_generations, args):
     """One advantage per completion, for each of its tokens (outcome supervision, Sec. 4.1.2 of arXiv:2402.03300),
     groups being consecutive rows. grpo: (r - group mean) / (std + 1e-4), the sample std of the group, of the rollout
-    (batch) or none (Dr. GRPO). rloo: r - the mean of the other G - 1 (arXiv:2402.14740). Both give a group of equal
-    rewards exactly 0. reinforce_plus_plus: r whitened over the rollout's tokens (arXiv:2501.03262); _baseline: r - mean
-    of group, then whitened (as verl's masked_whiten, weights `num_tokens`). Also: per group, are all rewards equal."""
+    (batch), of the group then of the rollout (group_then_batch), or none (Dr. GRPO). rloo: r - the mean of the other
+    G - 1 (arXiv:2402.14740). Both give a group of equal rewards exactly 0. reinforce_plus_plus: r whitened over the
+    rollout's tokens (arXiv:2501.03262); _baseline: r - mean of group, then whitened (as verl's masked_whiten,
+    weights `num_tokens`). Also: per group, are all rewards equal."""
     groups = rewards.view(-1, num_generations)
     zero_std = groups.max(1).values == groups.min(1).values
     advantages = groups - groups.mean(1, keepdim=True)
@@ -227,11 +233,32 @@ def group_advantages(rewards, num_tokens, num_generations, args):
         return ((x - mean) * torch.rsqrt(variance + 1e-8)).to(rewards.dtype), zero_std
     if args.advantage_estimator == "rloo":  # G / (G - 1) (r - group mean)
         advantages = advantages * num_generations / (num_generations - 1)
-    elif args.scale_rewards == "group":
+    elif args.scale_rewards in ("group", "group_then_batch"):
         advantages = advantages / (groups.std(1, keepdim=True) + 1e-4)
     elif args.scale_rewards == "batch":
         advantages = advantages / (rewards.std() + 1e-4)
-    return advantages.masked_fill(zero_std[:, None], 0.0).flatten(), zero_std
+    advantages = advantages.masked_fill(zero_std[:, None], 0.0).flatten()
+    if args.scale_rewards == "group_then_batch":  # its mean over the rollout is 0 already
+        advantages = advantages / (advantages.std() + 1e-4)
+    return advantages, zero_std
+
+
+def rejection_sample(rewards, keep, beta, generator):
+    """Statistical rejection sampling (Algorithm 1 of arXiv:2309.06657) of each row of `rewards`, a prompt's
+    candidates: over the candidates not yet kept, in a random order, keep each with probability exp((r - r_max) /
+    beta), r_max the highest reward among them, pass after pass until `keep` are kept. beta -> 0 keeps the best,
+    beta -> inf `keep` uniformly at random. Returns the kept (row x candidates + candidate), in order."""
+    kept = []
+    for row, r in enumerate(rewards.tolist()):
+        left, chosen = torch.randperm(len(r), generator=generator).tolist(), []
+        while len(chosen) < keep:
+            r_max = max(r[i] for i in left)
+            for i in list(left):
+                if len(chosen) < keep and torch.rand(1, generator=generator).item() < math.exp((r[i] - r_max) / beta):
+                    chosen.append(i)
+                    left.remove(i)
+        kept += [row * len(r) + i for i in sorted(chosen)]
+    return kept
 
 
 def kl_estimate(logps, ref_logps, old_logps, kl_estimator):
@@ -310,27 +337,35 @@ def evaluate(model, reward_model, test, tokenizer, pad_token_id, args):
 
 
 @torch.no_grad()
-def score_rollout(model, ref_model, reward_model, rollout, tokenizer, pad_token_id, args):
-    """Rewards, and the reference and old log-probs of a rollout's completions (old: with num_iterations > 1; else
-    the loss uses the current ones, detached): each rank its share, summed over ranks."""
+def rollout_rewards(rollout, reward_model, tokenizer, pad_token_id, args, device):
+    """Each completion's reward (rewards_of): each rank its share, summed over ranks."""
+    rewards = torch.zeros(n := len(rollout["prompts"]), device=device)
+    for rows, valid in rank_micro_batches(n, dist.get_rank(), args.world_size, args.local_rollout_forward_batch_size):
+        batch = [[rollout[name][i] for i in rows] for name in ("prompts", "completions", "answers")]
+        rewards[rows] += valid * rewards_of(*batch, reward_model, tokenizer, pad_token_id, args).to(device)
+    dist.all_reduce(rewards)
+    return rewards
+
+
+@torch.no_grad()
+def score_rollout(model, ref_model, rollout, pad_token_id, args):
+    """The reference and old log-probs of a rollout's completions (old: with num_iterations > 1; else the loss uses
+    the current ones, detached): each rank its share, summed over ranks."""
     prompts, completions, device = rollout["prompts"], rollout["completions"], next(model.parameters()).device
     n, width = len(prompts), args.max_completion_length
-    rewards = torch.zeros(n, device=device)
     ref_logps = torch.zeros(n, width, device=device) if ref_model is not None else None
     old_logps = torch.zeros(n, width, device=device) if args.num_iterations > 1 else None
     for rows, valid in rank_micro_batches(n, dist.get_rank(), args.world_size, args.local_rollout_forward_batch_size):
-        batch = [[column[i] for i in rows] for column in (prompts, completions, rollout["answers"])]
-        rewards[rows] += valid * rewards_of(*batch, reward_model, tokenizer, pad_token_id, args).to(device)
         input_ids, attention_mask, completion_mask = batch_on(device, prompts, completions, rows, pad_token_id)
         cols = completion_mask.shape[1]
         for table, net in ((ref_logps, ref_model), (old_logps, model)):
             if table is not None:
                 logps = completion_logprobs(net, input_ids, attention_mask, cols, args.temperature)
                 table[rows, :cols] += valid * logps
-    for table in (rewards, ref_logps, old_logps):
+    for table in (ref_logps, old_logps):
         if table is not None:
             dist.all_reduce(table)
-    return rewards, ref_logps, old_logps
+    return ref_logps, old_logps
 
 
 def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token_id):
@@ -393,12 +428,16 @@ def main(args):
     # 1. distributed init, computed batch sizes, argument checks
     rank, world_size, device = setup(args)
     G = args.num_generations
+    N = args.num_candidates = G if args.num_candidates is None else args.num_candidates
     args.rollout_batch_size = args.batch_size * args.num_mini_batches
     args.num_prompts_per_rollout = args.rollout_batch_size // G
     args.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     if G < 2 or args.rollout_batch_size % G:
         raise ScriptError(f"--num_generations {G}: must be at least 2 and divide the {args.rollout_batch_size} "
                           "completions of a rollout (batch_size x num_mini_batches)")
+    if N < G or (N > G) != ((args.rejection_sampling_beta or 0) > 0):
+        raise ScriptError(f"--num_candidates {N}, --num_generations {G}, --rejection_sampling_beta "
+                          f"{args.rejection_sampling_beta}: sample G or more, more exactly when a beta above 0 is set")
     if args.reward_fn is None and args.reward_model_path is None:
         raise ScriptError("no reward: set --reward_fn, --reward_model_path, or both")
     if args.scale_rewards != "group" and args.advantage_estimator != "grpo":
@@ -409,12 +448,11 @@ def main(args):
     num_rollouts, steps_per_rollout = rollouts_of(len(train["prompt"]), G, args.num_iterations, args, dropped)
 
     # 3. models + FSDP2: the policy, then the frozen reference (the same SFT model) and reward model
-    path, flag, ref_model, reward_model = args.model_name_or_path, "--model_name_or_path", None, None
+    path, flag = args.model_name_or_path, "--model_name_or_path"
     model = load_model(AutoModelForCausalLM, path, args, flag, device)
-    if args.beta > 0:  # with beta 0 the KL term is gone, and so is the reference model
-        ref_model = load_model(AutoModelForCausalLM, path, args, flag, device, frozen=True)
-    if args.reward_model_path:
-        reward_model = load_reward_model(args, tokenizer, device)
+    # with beta 0 the KL term is gone, and so is the reference model
+    ref_model = load_model(AutoModelForCausalLM, path, args, flag, device, frozen=True) if args.beta > 0 else None
+    reward_model = load_reward_model(args, tokenizer, device) if args.reward_model_path else None
 
     # 4. optimizer and LR schedule (or both restored by --resume_from)
     optimizer, scheduler, start_step, state = make_optimizer(model, args)
@@ -425,18 +463,24 @@ def main(args):
     logged, window_start = start_step, time.time()
     for rollout_index in range(start_step // steps_per_rollout, num_rollouts):
         rollout_start = time.time()
-        # ALGO LOGIC: 1. the rollout's prompts, each num_generations times: a group is G consecutive rows
+        # ALGO LOGIC: 1. the rollout's prompts, each num_candidates (N) times, consecutive rows
         rows = [row for row in global_batch(rollout_index, len(train["prompt"]), args.num_prompts_per_rollout,
-                                            args.seed) for _ in range(G)]
+                                            args.seed) for _ in range(N)]
         rollout = {"prompts": [train["prompt"][row] for row in rows], "answers": [train["answer"][row] for row in rows]}
 
         # 2. sample the completions (seeded by the rollout and the chunk, the parameters gathered once)
         rollout["completions"], lengths = sample_rollout(model, rollout["prompts"], rollout_index, args,
                                                          tokenizer.eos_token_id, pad_token_id)
 
-        # 3. rewards, and the reference and old log-probs of the sampled tokens
-        rewards, rollout["ref_logps"], rollout["old_logps"] = score_rollout(model, ref_model, reward_model, rollout,
-                                                                            tokenizer, pad_token_id, args)
+        # 3. the rewards; of N > G candidates a prompt, rejection sampling keeps a group of G (the same on every rank)
+        rewards = rollout_rewards(rollout, reward_model, tokenizer, pad_token_id, args, device)
+        candidate_scores = {"objective/candidate_scores": rewards.mean()} if N > G else {}
+        if N > G:  # the group is no longer a sample of the policy: the gradient is not the policy's
+            generator = torch.Generator().manual_seed((args.seed * 100_003 + rollout_index) * 100_003 - 1)
+            kept = rejection_sample(rewards.view(-1, N).cpu(), G, args.rejection_sampling_beta, generator)
+            rollout = {name: [column[i] for i in kept] for name, column in rollout.items()}
+            rewards, lengths = rewards[kept], lengths[kept]
+        rollout["ref_logps"], rollout["old_logps"] = score_rollout(model, ref_model, rollout, pad_token_id, args)
 
         # 4. the tokens in the loss, and the advantages
         ended = torch.tensor([c[-1] == tokenizer.eos_token_id for c in rollout["completions"]], device=device)
@@ -445,7 +489,7 @@ def main(args):
             rollout["loss_mask"] *= ended[:, None]
         rollout["advantages"], zero_std = group_advantages(rewards, rollout["loss_mask"].sum(1), G, args)
         stats, samples = rollout_metrics(rollout, rewards, lengths, ended, zero_std, tokenizer)
-        stats["time/rollout"] = time.time() - rollout_start
+        stats |= candidate_scores | {"time/rollout": time.time() - rollout_start}
 
         # 5. num_iterations passes over the rollout, each in num_mini_batches optimizer steps
         for k, mini in enumerate(rollout_mini_batches(rollout_index, args.num_iterations, args)):

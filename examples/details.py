@@ -125,6 +125,11 @@ FINDINGS = [
     ("group_size", "GRPO: the group size G at 128 completions a step (128 / G prompts)",
      [("G 2", grpo, ["--num_generations", 2]), ("G 8", *BASE[1:]), ("G 16", grpo, ["--num_generations", 16])],
      ["frac_reward_zero_std", "eval/scores"]),
+    ("rejection_sampling", "GRPO: groups of 4 kept of 16 candidates by rejection sampling (RSO), against plain groups",
+     [("G 4", grpo, ["--num_generations", 4]), ("G 16", grpo, ["--num_generations", 16]),
+      ("16 -> 4, beta 0.5", grpo, ["--num_generations", 4, "--num_candidates", 16, "--rejection_sampling_beta", 0.5]),
+      ("16 -> 4, beta 2", grpo, ["--num_generations", 4, "--num_candidates", 16, "--rejection_sampling_beta", 2.0])],
+     ["objective/scores", "eval/scores", "time/rollout"]),
 ]
 
 

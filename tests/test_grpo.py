@@ -2,8 +2,11 @@
 surrogate against hand-computed cases, advantages, verifiers on real GSM8K solutions, generation (the distribution
 sampled from, left padding, EOS, parameters gathered once), and the script run the way users run it."""
 
+import collections
 import contextlib
+import itertools
 import json
+import math
 import os
 import shutil
 import statistics
@@ -23,6 +26,7 @@ from grpo import (
     loss_normaliser,
     make_batch,
     parse_answer,
+    rejection_sample,
     shard_model,
     tokenize_prompts,
     unsharded,
@@ -180,12 +184,77 @@ def test_advantages_for_each_scale_rewards():
         advantages, zero_std = group_advantages(rewards, torch.ones(12), 4, args)
         assert advantages.tolist() == pytest.approx(values, abs=1e-6), scale
         assert zero_std.tolist() == [False, True, False]
+    # group_then_batch: the group's values above (a group of equal rewards at 0), then divided by their std over all
+    args = SimpleNamespace(advantage_estimator="grpo", scale_rewards="group_then_batch")
+    advantages, _ = group_advantages(rewards, torch.ones(12), 4, args)
+    in_groups = [0.0 if 4 <= i < 8 else v for i, v in enumerate(expected["group"])]
+    batch_std = statistics.stdev(in_groups)
+    assert advantages.tolist() == pytest.approx([v / (batch_std + 1e-4) for v in in_groups], abs=1e-6)
     # equal rewards give exactly 0, even where the float mean is not exact (3 x 0.1 / 3 != 0.1)
     rewards = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 0.5], dtype=torch.float64)
     for estimator in ("grpo", "rloo"):
         args = SimpleNamespace(advantage_estimator=estimator, scale_rewards="group")
         advantages, zero_std = group_advantages(rewards, torch.ones(6), 3, args)
         assert advantages[:3].tolist() == [0.0, 0.0, 0.0] and zero_std.tolist() == [True, False], estimator
+
+
+# ------------------------------------------------------------------------------------ rejection sampling
+def rso_distribution(rewards, keep, beta):
+    """P(kept set) under RSO's Algorithm 1 (arXiv:2309.06657), the candidates visited in a uniformly random order:
+    every order and every accept/reject outcome enumerated. A pass over the candidates left starts from their highest
+    reward; it keeps each with probability exp((r - r_max) / beta) until `keep` are kept."""
+    found = collections.Counter()
+
+    def visit(left, position, after, kept, p):  # `left` in order; `after`: the rejected of this pass, for the next
+        if len(kept) == keep:
+            found[frozenset(kept)] += p
+        elif position == len(left):
+            visit(after, 0, [], kept, p)
+        else:
+            i, r_max = left[position], max(rewards[j] for j in left)
+            accept = math.exp((rewards[i] - r_max) / beta)
+            visit(left, position + 1, after, kept + [i], p * accept)
+            if accept < 1:
+                visit(left, position + 1, after + [i], kept, p * (1 - accept))
+
+    orders = list(itertools.permutations(range(len(rewards))))
+    for order in orders:
+        visit(list(order), 0, [], [], 1 / len(orders))
+    return found
+
+
+def kept_sets(rewards, keep, beta, draws, seed=0):
+    """The kept set of `draws` independent runs of rejection_sample on the same candidates."""
+    kept = rejection_sample(torch.tensor([rewards] * draws), keep, beta, torch.Generator().manual_seed(seed))
+    n = len(rewards)
+    return collections.Counter(frozenset(i % n for i in kept[d * keep : (d + 1) * keep]) for d in range(draws))
+
+
+def test_rejection_sampling_keeps_sets_as_rso_does():
+    """The kept set's distribution equals RSO's, computed by enumeration (5 candidates, keep 2, a tie included), within
+    5 standard errors of 20,000 draws; and every draw keeps 2 distinct candidates of its own row."""
+    rewards, draws = [1.0, 0.25, 0.0, 0.25, -0.5], 20_000
+    for beta in (0.3, 2.0):
+        expected, got = rso_distribution(rewards, 2, beta), kept_sets(rewards, 2, beta, draws)
+        assert sum(expected.values()) == pytest.approx(1.0) and set(got) <= set(expected)
+        for kept, p in expected.items():
+            assert abs(got[kept] / draws - p) <= 5 * math.sqrt(p * (1 - p) / draws) + 1e-9, (beta, sorted(kept), p)
+    assert rejection_sample(torch.tensor([[0.0, 1, 2], [5, 4, 3]]), 2, 1e-6, torch.Generator()) == [1, 2, 3, 4]
+
+
+def test_rejection_sampling_temperature_limits_and_ties():
+    """beta -> 0 keeps the top G (ties at the top: each tied candidate equally often); a very large beta keeps each
+    candidate with probability G / N, every set of G equally often."""
+    assert kept_sets([0.3, 0.9, 0.1, 0.7, 0.5], 2, 1e-6, 200) == {frozenset({1, 3}): 200}
+    draws = 12_000
+    ties = kept_sets([1.0, 0.0, 1.0, 1.0], 2, 1e-6, draws)  # 2 of the 3 tied at the top: 3 sets, 1/3 each
+    assert set(ties) == {frozenset({0, 2}), frozenset({0, 3}), frozenset({2, 3})}
+    assert all(abs(n / draws - 1 / 3) <= 5 * math.sqrt(2 / 9 / draws) for n in ties.values()), ties
+    uniform = kept_sets([3.0, -1.0, 0.5, 2.0], 2, 1e9, draws)  # C(4, 2) = 6 sets, 1/6 each; each candidate 1/2
+    assert len(uniform) == 6 and all(abs(n / draws - 1 / 6) <= 5 * math.sqrt(5 / 36 / draws) for n in uniform.values())
+    for i in range(4):
+        share = sum(n for kept, n in uniform.items() if i in kept) / draws
+        assert abs(share - 0.5) <= 5 * math.sqrt(0.25 / draws), (i, share)
 
 
 # ---------------------------------------------------------------------------------------------- verifiers
@@ -472,6 +541,9 @@ def test_bad_input(toy, tmp_path):
         (tmp_path / "no_answer.jsonl", [], "and an 'answer' column (see --prompt_column, --answer_column)"),
         (toy / "prompts", ["--num_generations", 3], "--num_generations 3: must be at least 2 and divide"),
         (toy / "prompts", ["--reward_fn", "None"], "no reward"),
+        (toy / "prompts", ["--num_candidates", 16], "--num_candidates 16, --num_generations 8, --rejection_sampling_"),
+        (toy / "prompts", ["--num_candidates", 4, "--rejection_sampling_beta", 1], "sample G or more, more exactly"),
+        (toy / "prompts", ["--rejection_sampling_beta", 1], "--num_candidates 8, --num_generations 8, --rejection"),
     ]:
         error, _ = run_in_process("grpo.py", grpo_args(toy / "model", data, tmp_path / "out", *extra))
         assert isinstance(error, ValueError) and message in str(error), (message, repr(error))

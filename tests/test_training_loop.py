@@ -25,15 +25,18 @@ from toy_task import in_flawed_subset
 # on one process, was dropped for suite time: (2, 1, 4) has both accumulation and two processes
 SPLITS = [(1, 8, 1), (2, 4, 1), (2, 1, 4)]
 DATA = {"sft.py": "sft", "reward.py": "preference", "dpo.py": "preference", "grpo.py": "prompts", "ppo.py": "prompts"}
-# grpo.py: rollouts of 4 prompts x 4 generations = 16 completions, 3 iterations x 2 mini-batches of 8 = 6 optimizer
-# steps
-# each; 12 steps = 2 rollouts, and the checkpoint at step 6 falls between them. It starts from the toy SFT model, so
-# that exact-match rewards differ within groups and the policy moves.
+# grpo.py: rollouts of 4 prompts x 6 candidates, of which rejection sampling keeps 4 = 16 completions, 3 iterations x
+# 2 mini-batches of 8 = 6 optimizer steps each; 12 steps = 2 rollouts, and the checkpoint at step 6 falls between them.
+# It starts from the toy SFT model, so that exact-match rewards differ within groups and the policy moves.
 GRPO = [
     "--max_steps",
     12,
     "--num_generations",
     4,
+    "--num_candidates",
+    6,
+    "--rejection_sampling_beta",
+    0.5,
     "--num_mini_batches",
     2,
     "--num_iterations",
