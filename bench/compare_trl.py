@@ -1,4 +1,4 @@
-"""Our scripts against TRL 1.16 at equal settings, side by side on this machine (issue 8).
+"""Our scripts against TRL 1.16 at equal settings, side by side on this machine.
 
     python -m venv --system-site-packages .venv-bench && .venv-bench/bin/pip install -r bench/requirements.txt
     .venv-bench/bin/python bench/compare_trl.py --out runs/bench --algos sft reward dpo grpo --repeats 2 \

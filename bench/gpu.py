@@ -1,4 +1,4 @@
-"""One command that proves and measures every script on a GPU (issue 18), under 9 minutes on one H100 or H200.
+"""One command that proves and measures every script on a GPU, under 9 minutes on one H100 or H200.
 
     bash bench/gpu_wheels.sh               # on the CPU machine, once: what the GPU machine lacks, as wheels in .whl/
     bash bench/gpu.sh --out runs/gpu       # on the GPU machine: installs .whl/ if needed, then runs this file

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command that proves and measures every script on a GPU (issue 18); bench/gpu.py says what it runs and measures.
+# One command that proves and measures every script on a GPU; bench/gpu.py says what it runs and measures.
 #   bash bench/gpu.sh --out runs/gpu      # on a GPU machine, under 9 minutes: OUT/results.json, OUT/summary.md
 #   bash bench/gpu.sh --dry-run           # the same steps at toy size on CPU
 # The GPU machines have no network: the packages they lack come from .whl/, which bash bench/gpu_wheels.sh fills on a

@@ -1,7 +1,7 @@
 """Peak memory of sft, dpo and grpo with bf16 compute on a CPU, at a shape where the output head matters: Qwen2.5-0.5B's
 hidden size, heads and 151,936-token vocabulary with 4 decoder layers (195.8M parameters, random weights). It compares
 two git revisions of the scripts (and TRL 1.16 if BENCH_TRL_PYTHON names a Python that has it). Written for the
-chunked head of completion_logprobs (bench/RESULTS.md, 2026-11-23, session 12); GPU figures come from bench/gpu.sh.
+chunked head of completion_logprobs (bench/RESULTS.md); GPU figures come from bench/gpu.sh.
 
     python bench/head_memory.py --out runs/head_memory --revisions da2f1e2 HEAD --batches 2 4
     BENCH_TRL_PYTHON=/tmp/trlenv/bin/python python bench/head_memory.py --out runs/head_memory --revisions HEAD --trl

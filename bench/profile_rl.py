@@ -1,5 +1,5 @@
 """Where the time of a training step goes, without editing the script: run one of our scripts under torchrun with
-timers wrapped around what it calls (issue 8).
+timers wrapped around what it calls.
 
     torchrun --standalone --nproc_per_node 2 bench/profile_rl.py grpo.py --model_name_or_path ... [the script's args]
 

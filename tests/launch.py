@@ -7,7 +7,7 @@ and torchrun's own process about 1.7 CPU-s: a 12-step sft run on the toy task to
 (multiprocessing's "forkserver", started with the scripts' environment) and every rank of every run is a fork of it
 that runs the script as `python script.py` would, with the variables torchrun gives its workers (RANK, LOCAL_RANK,
 WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): the same code path, init_process_group from those variables,
-FSDP2 over gloo. The suite went from 631 s to 367-486 s (bench/RESULTS.md, session 11).
+FSDP2 over gloo. The suite went from 631 s to 367-486 s (bench/RESULTS.md).
 
 What torchrun itself does (forwarding SIGTERM to the workers, its exit code, the start-up) is tested through
 torchrun: the SIGTERM/SIGKILL resume tests, the quickstart and the GPU bench's dry run launch it as users do.

@@ -1,4 +1,4 @@
-"""bench/gpu.sh, the one GPU command (issue 18): its dry run goes through every stage at toy size on CPU, so the command
+"""bench/gpu.sh, the one GPU command: its dry run goes through every stage at toy size on CPU, so the command
 cannot rot while no GPU is lent; and its checks are shown to fail on what they must catch."""
 
 import json

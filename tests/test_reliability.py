@@ -1,4 +1,4 @@
-"""Reliability (issue 6), for every script: bad input stops at once with a message naming the problem and the fix;
+"""Reliability, for every script: bad input stops at once with a message naming the problem and the fix;
 a non-finite loss or gradient norm stops the run (or is skipped) without touching the model; a checkpoint is used only
 when complete and only by the run it belongs to, and loading one runs no code. The kill tests (SIGTERM, SIGKILL, then
 --resume_from auto) are in test_training_loop.py, next to the uninterrupted runs they are compared with.

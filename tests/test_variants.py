@@ -1,4 +1,4 @@
-"""The policy-gradient and preference variants (issue 20) against other libraries' own code on identical inputs:
+"""The policy-gradient and preference variants against other libraries' own code on identical inputs:
 grpo.py's GSPO and CISPO losses (and its older loss types) against TRL 1.16's GRPOTrainer, its RLOO and REINFORCE++
 advantages against verl 0.9.1's estimators, dpo.py's ipo_per_token (and sigmoid, hinge) against TRL 1.16's
 DPOTrainer: loss and gradient to 1e-6. The reference values were computed once by those libraries' code
