@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import ROOT, read_metrics, run_in_process, run_script, script_env
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 SCRIPTS = ["sft.py", "reward.py", "dpo.py", "grpo.py", "ppo.py"]
 DATA = {"sft.py": "sft", "reward.py": "preference", "dpo.py": "preference", "grpo.py": "prompts", "ppo.py": "prompts"}
@@ -721,6 +721,11 @@ def test_a_data_folder_whose_files_datasets_would_skip(toy, tmp_path):
         "d": ({"part1.jsonl": rows[:4], "part2.jsonl": rows[4:]}, None),
         "e": ({"train.jsonl": rows, "test.jsonl": rows[:2], "dataset_infos.json": ["{}"]}, None),  # datasets' metadata
         "f": ({"mine.jsonl.gz": rows, "eval.jsonl.gz": rows[:2]}, "['mine.jsonl.gz'] would be in no split (found {'"),
+        # two train files whose columns differ: datasets cannot stack them; one of them, named as the split, loads
+        "g": (
+            {"train_a.jsonl": rows, "train_b.jsonl": [json.dumps({"messages": [{"role": "user", "content": "x"}]})]},
+            "split 'train' ['train_a.jsonl', 'train_b.jsonl'] does not load (",
+        ),
     }
     for name, (files, expected) in cases.items():
         (tmp_path / name).mkdir()
@@ -733,6 +738,26 @@ def test_a_data_folder_whose_files_datasets_would_skip(toy, tmp_path):
             assert error is None and "train: 8 of 8 rows kept" in printed, (name, repr(error), printed[-2000:])
         else:
             assert isinstance(error, ValueError) and expected in str(error), (name, repr(error))
+    args = script_args("sft.py", toy / "model", tmp_path / "g", tmp_path / "out_g2", None, "--max_steps", 1)
+    error, printed = run_in_process("sft.py", args + ["--dataset_train_split", "train_a"])  # the fix the message gives
+    assert error is None and "train: 8 of 8 rows kept" in printed, (repr(error), printed[-2000:])
+
+
+def test_a_reward_model_with_another_tokenizer_and_a_stop_token_of_several_tokens(toy, scored_model, tmp_path):
+    """The reward model is fed the policy's token ids: a reward model folder whose tokenizer differs (one token added)
+    is refused by name, not scored on ids that mean other text. And ppo's --stop_token must be one token."""
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(scored_model, other)
+    tokenizer = AutoTokenizer.from_pretrained(other)
+    tokenizer.add_tokens(["<extra>"])
+    tokenizer.save_pretrained(other)
+    error, _ = run_in_process("grpo.py", script_args("grpo.py", toy / "model", toy / "prompts", tmp_path / "a", other))
+    assert isinstance(error, ValueError) and f"--reward_model_path {other}: its tokenizer is not the policy's" in str(
+        error
+    ), repr(error)
+    args = script_args("ppo.py", toy / "model", toy / "prompts", tmp_path / "b", scored_model, "--stop_token", "ab")
+    error, _ = run_in_process("ppo.py", args)
+    assert isinstance(error, ValueError) and "--stop_token 'ab' is not one token of the tokenizer" in str(error)
 
 
 def test_a_refusal_is_one_line_from_one_process_and_exit_status_2(toy, tmp_path):

@@ -170,6 +170,21 @@ def test_bad_rows_are_counted_not_silently_dropped(toy):
         tokenize_sft(datasets.Dataset.from_dict({"prompt": ["a"], "answer": ["b"]}), tok, A)
 
 
+def test_a_chat_template_that_renders_the_prompt_otherwise_before_a_reply_is_refused(toy):
+    """The completion is the text the template adds after the generation prompt. A template that renders the prompt
+    differently when a reply follows (here: a system line before a generation prompt only) cannot be split so."""
+    prompt, reply = [{"role": "user", "content": "sort: 21 ->"}], [{"role": "assistant", "content": " 12"}]
+    tokenizer = AutoTokenizer.from_pretrained(toy / "model")
+    prompt_ids, completion_ids = tokenize_prompt_completion(tokenizer, prompt, reply)  # the toy's own template
+    assert tokenizer.decode(completion_ids).startswith(" 12") and completion_ids[-1] == tokenizer.eos_token_id
+    tokenizer.chat_template = (
+        "{% if add_generation_prompt %}SYSTEM {% endif %}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    with pytest.raises(ValueError, match="does not render the prompt as the start of the conversation"):
+        tokenize_prompt_completion(tokenizer, prompt, reply)
+
+
 def test_load_split_file_folder_and_saved(toy, tmp_path):
     assert len(load_split(str(toy / "sft"), "train")) == 4000 and len(load_split(str(toy / "sft"), "test")) == 200
     assert len(load_split(str(toy / "sft" / "test.jsonl"), "train")) == 200
