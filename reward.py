@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 from tyro.conf import Suppress
@@ -157,17 +158,12 @@ def load_with_score_head(args, pad_token_id):
     """The SFT model with a one-output linear head (HF's sequence classification class), new unless the folder has
     one: std 1/sqrt(hidden + 1) as in lm-human-preferences, seeded, the same on every rank."""
     path, flag = args.model_name_or_path, "--model_name_or_path"
-    check_local_path(path, flag)
-    try:
-        model, loading = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=torch.float32, output_loading_info=True, trust_remote_code=args.trust_remote_code)
-    except (OSError, ValueError, SafetensorError) as e:
-        raise loading_error(AutoModelForSequenceClassification, path, flag, e) from e
+    model, loading = load_pretrained(AutoModelForSequenceClassification, path, args, flag, num_labels=1)
     missing, new_head = set(loading["missing_keys"]) - {"score.weight"}, "score.weight" in loading["missing_keys"]
     if missing:
         raise ScriptError(f"{flag} {path!r} has no weights for {sorted(missing)}: give a causal LM (the SFT model) or "
                           "a reward model")
-    if new_head:
+    if new_head and dist.get_rank() == 0:  # the others get it from the first process (shard_model)
         generator = torch.Generator().manual_seed(args.seed)
         torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.score.in_features + 1), generator=generator)
     if dist.get_rank() == 0:
@@ -442,18 +438,30 @@ def make_batch(prompts, completions, pad_token_id):
     return input_ids, torch.cat([pad([[1] * len(p) for p in prompts], 0, "left"), completion_mask], 1), completion_mask
 
 
-def load_pretrained(auto_class, path, args, flag):
-    """auto_class.from_pretrained(path), a model in fp32; refused naming `flag`."""
+def load_pretrained(auto_class, path, args, flag, **options):
+    """auto_class.from_pretrained(path), refused naming `flag`. A model (fp32) is read by the first process alone,
+    the others build it on the meta device (shard_model gives them their shards); with the first's load report."""
     check_local_path(path, flag, auto_class)
-    options = {} if auto_class is AutoTokenizer else {"dtype": torch.float32, "output_loading_info": True}
-    try:
-        loaded = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code, **options)
-    except (OSError, ValueError, SafetensorError) as e:
-        raise loading_error(auto_class, path, flag, e) from e
     if auto_class is AutoTokenizer:
-        return loaded
-    check_weights(*loaded, path, flag)
-    return loaded[0]
+        try:
+            return AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise loading_error(auto_class, path, flag, e) from e
+    model, report = None, [None, None]  # the first process's error, or its load report
+    if dist.get_rank() == 0:
+        try:
+            model, report[1] = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code,
+                                                          dtype=torch.float32, output_loading_info=True, **options)
+        except (OSError, ValueError, SafetensorError) as e:
+            report[0] = loading_error(auto_class, path, flag, e)
+    dist.broadcast_object_list(report, src=0)
+    if report[0]:
+        raise report[0]
+    if model is None:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code, **options)
+        with torch.device("meta"):
+            model = auto_class.from_config(config, trust_remote_code=args.trust_remote_code, dtype=torch.float32)
+    return model, report[1]
 
 
 def disable_dropout(model):
@@ -467,7 +475,9 @@ def disable_dropout(model):
 
 
 def shard_model(model, args, device):
-    """FSDP2: each decoder layer, then the root; gradients summed (each loss is a global mean already)."""
+    """FSDP2: each decoder layer, then the root; gradients summed (each loss is a global mean already). The first
+    process sends its weights one tensor at a time; each process keeps its shard."""
+    loaded = dict(model.named_parameters()) | dict(model.named_buffers())  # the first process's, read from disk
     if args.gradient_checkpointing:  # it acts in training mode only: not on frozen models
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if args.bf16 and device.type == "cuda" else {}
@@ -482,6 +492,16 @@ def shard_model(model, args, device):
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+    if dist.get_rank() > 0:  # built on the meta device: room for its shards, filled below
+        model.to_empty(device="cpu" if args.cpu_offload else device)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            full = loaded[name].to(device) if dist.get_rank() == 0 else torch.empty_like(loaded[name], device=device)
+            dist.broadcast(full, src=0)
+            if isinstance(tensor, DTensor):  # this process's shard of it
+                tensor, full = tensor.to_local(), distribute_tensor(full, tensor.device_mesh, tensor.placements,
+                                                                    src_data_rank=None).to_local()
+            tensor.copy_(full)
     return model
 
 

@@ -270,3 +270,91 @@ def test_sigterm_or_sigkill_then_resume_auto_continues_the_same_run(split_runs):
         a, b = load_file(straight / "model.safetensors"), load_file(out / "model.safetensors")
         for name in a:
             torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+LOAD_SCRIPT = r"""
+import os, sys, types, torch, torch.distributed as dist
+sys.path.insert(0, os.getcwd())
+import grpo, reward
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+dist.init_process_group("gloo")
+args = types.SimpleNamespace(trust_remote_code=False, gradient_checkpointing=False, bf16=False, cpu_offload=False,
+                             reshard_after_forward=True, seed=3, model_name_or_path=sys.argv[1])
+cpu = torch.device("cpu")
+
+
+def compare(name, model, plain):
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    buffers = dict(model.named_buffers())
+    if dist.get_rank() == 0:
+        expected, found = dict(plain.named_parameters()), {**state, **buffers}
+        expected |= dict(plain.named_buffers())
+        same = all(torch.equal(found[key], value) for key, value in expected.items())
+        print(f"{name}: {len(expected)} tensors, bit-identical {same}", flush=True)
+
+
+causal, scores = AutoModelForCausalLM, AutoModelForSequenceClassification
+for name, auto_class, path in [("tied", causal, sys.argv[1]), ("untied", causal, sys.argv[2]),
+                               ("gpt2", causal, sys.argv[3]), ("value", scores, sys.argv[4])]:
+    compare(name, grpo.load_model(auto_class, path, args, "--flag", cpu), auto_class.from_pretrained(path))
+plain = AutoModelForSequenceClassification.from_pretrained(sys.argv[1], num_labels=1)  # reward.py's new head, by hand
+torch.nn.init.normal_(plain.score.weight, std=1 / (plain.score.in_features + 1) ** 0.5,
+                      generator=torch.Generator().manual_seed(args.seed))
+compare("new score head", reward.shard_model(reward.load_with_score_head(args, 0), args, cpu), plain)
+dist.destroy_process_group()
+"""
+
+
+def test_weights_read_by_one_process_load_bit_identical(toy, tmp_path):
+    """The first process alone reads a model folder; the other builds the model on the meta device and gets its shard
+    from the first. Gathered back, every parameter and buffer equals from_pretrained's, for a tied and an untied head,
+    GPT-2's absolute positions, a sequence-classification folder, and reward.py's new score head seeded as on one
+    process."""
+    from conftest import run_script, tiny_gpt2
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    untied = AutoModelForCausalLM.from_pretrained(toy / "model")
+    untied.config.tie_word_embeddings = False
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(untied.config).save_pretrained(tmp_path / "untied")
+    tiny_gpt2().save_pretrained(tmp_path / "gpt2")
+    AutoModelForSequenceClassification.from_pretrained(toy / "model", num_labels=1).save_pretrained(tmp_path / "value")
+    (tmp_path / "load.py").write_text(LOAD_SCRIPT)
+    folders = [toy / "model", tmp_path / "untied", tmp_path / "gpt2", tmp_path / "value"]
+    out = run_script(str(tmp_path / "load.py"), folders, nproc=2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name in ("tied", "untied", "gpt2", "value", "new score head"):
+        assert re.search(rf"^{name}: \d+ tensors, bit-identical True$", out.stdout, re.M), (name, out.stdout[-3000:])
+
+
+def test_two_nodes_share_one_output_dir_or_stop(toy, tmp_path):
+    """Two nodes simulated on this machine (torchrun --nnodes 2, one process each, static rendezvous). With a folder
+    per node (as on node-local disks) every process stops at start: the second node does not see the first's claim
+    in its folder. With one shared folder the run is bit-identical to one node of 2 processes."""
+    from launch import free_port
+
+    data = tmp_path / "small.jsonl"
+    data.write_text("".join(open(toy / "sft" / "train.jsonl").readlines()[:32]))
+    args = ["sft.py", "--model_name_or_path", toy / "model", "--dataset_name", data, "--max_steps", 2,
+            "--per_device_train_batch_size", 4, "--log_every", 1]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"]
+
+    def two_nodes(out0, out1):
+        port, env = free_port(), script_env()
+        nodes = [subprocess.Popen(torchrun + ["1", "--nnodes", "2", "--node_rank", str(rank), "--master_addr",
+                                              "127.0.0.1", "--master_port", str(port)] + [str(a) for a in args]
+                                  + ["--output_dir", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for rank, out in enumerate((out0, out1))]
+        return [(node.wait(timeout=300), node.stdout.read()) for node in nodes]
+
+    (code0, log0), (code1, _) = two_nodes(tmp_path / "node0", tmp_path / "node1")
+    assert code0 != 0 and code1 != 0 and "is not the first node's: give a shared folder" in log0, log0[-3000:]
+    assert [code for code, _ in two_nodes(tmp_path / "shared", tmp_path / "shared")] == [0, 0]
+    one_node = subprocess.run(torchrun + ["2"] + [str(a) for a in args] + ["--output_dir", str(tmp_path / "one")],
+                              cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert one_node.returncode == 0, one_node.stderr[-3000:]
+    assert UNTIMED(read_metrics(tmp_path / "shared")) == UNTIMED(read_metrics(tmp_path / "one"))
+    a, b = load_file(tmp_path / "shared" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
