@@ -133,7 +133,8 @@ FINDINGS = [
 ]
 
 
-def folder_name(label, runner, flags):
+def folder_name(runner, flags):
+    """A run's folder, named by its script and flags (the same for every finding that shares the run)."""
     return "grpo_base" if (runner, flags) == BASE[1:] else f"{runner.__name__}_" + "_".join(
         str(f).lstrip("-") for f in flags)
 
@@ -142,8 +143,8 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     start = time.time()
     base_models()
-    jobs = {(runner, folder_name(label, runner, flags), seed, tuple(flags))
-            for _, _, runs, _ in FINDINGS for label, runner, flags in runs for seed in SEEDS}
+    jobs = {(runner, folder_name(runner, flags), seed, tuple(flags))
+            for _, _, runs, _ in FINDINGS for _, runner, flags in runs for seed in SEEDS}
     with ThreadPoolExecutor(PARALLEL) as pool:  # each run once, even where findings share it
         list(pool.map(lambda job: job[0](job[1], job[2], *job[3]), sorted(jobs, key=lambda job: job[1:3])))
     results, table = {}, ["# What the details change (examples/details.py)", ""]
@@ -152,7 +153,7 @@ def main():
         table += [f"## {title}", "", "| run | seed | " + " | ".join(metrics) + " (last step) | exact match: all / "
                   "flawed / other |", "|---" * (len(metrics) + 3) + "|"]
         for label, runner, flags in runs:
-            name = folder_name(label, runner, flags)
+            name = folder_name(runner, flags)
             for seed in SEEDS:
                 rows = runner(name, seed, *flags)
                 em = exact_match(name, seed) if runner is not ppo else None

@@ -102,7 +102,7 @@ def test_details_fast_mode(tmp_path):
     for finding, title, runs, metrics in details.FINDINGS:
         section = table.split(f"## {title}\n")[1].split("\n## ")[0]
         for label, runner, flags in runs:
-            folder = out / f"{details.folder_name(label, runner, flags)}_s1"
+            folder = out / f"{details.folder_name(runner, flags)}_s1"
             ran = open(folder / "command.txt").read()
             assert f"{runner.__name__}.py" in ran and " ".join(map(str, flags)) in ran, (finding, label, ran)
             assert read_metrics(folder)[-1]["step"] == (4 if runner is details.ppo else 2), (finding, label)
