@@ -30,33 +30,12 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 # model shapes (Qwen2 family, random weights, the toy tokenizer): 27m for CPU; qwen2.5-0.5b, the real model's shape and
 # vocabulary size (the toy tokenizer uses 258 of its ids), for a GPU; tiny, bench/gpu.py's dry run
 SHAPES = {
-    "27m": dict(
-        vocab_size=258,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        max_position_embeddings=512,
-    ),
-    "qwen2.5-0.5b": dict(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-    ),
-    "tiny": dict(
-        vocab_size=261,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    ),
+    "27m": dict(vocab_size=258, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=8, max_position_embeddings=512),
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768),
+    "tiny": dict(vocab_size=261, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512),
 }
 
 
@@ -67,12 +46,8 @@ def make_model(out, shape):
     import torch
 
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(out, "toy", "model"))
-    config = Qwen2Config(
-        **SHAPES[shape],
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = Qwen2Config(**SHAPES[shape], tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(os.path.join(out, f"model_{shape}"))
@@ -83,13 +58,8 @@ def make_model(out, shape):
 def run(command, step_file=None, metrics_file=None, timeout=None, log_file=None):
     """Run a torchrun command; return the end time of every step and the printed peak memory (GiB): GPU allocations
     on a GPU, else the resident set. log_file: where its output goes as well."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-    }
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1"}
     arrivals, done = [], threading.Event()
 
     def watch():  # our scripts: the time each metrics.jsonl row appears
@@ -157,27 +127,9 @@ if __name__ == "__main__":
         "sft": ("sft.py", "sft", [], 8),
         "reward": ("reward.py", "preference", [], 8),
         "dpo": ("dpo.py", "preference", ["--beta", 0.1, "--no-precompute-ref-logps"], 8),
-        "grpo": (
-            "grpo.py",
-            "prompts",
-            [
-                "--num_generations",
-                4,
-                "--max_completion_length",
-                32,
-                "--temperature",
-                1.0,
-                "--beta",
-                0.04,
-                "--num_iterations",
-                1,
-                "--num_mini_batches",
-                1,
-                "--local_rollout_forward_batch_size",
-                16,
-            ],
-            16,
-        ),
+        "grpo": ("grpo.py", "prompts", ["--num_generations", 4, "--max_completion_length", 32, "--temperature", 1.0,
+                                         "--beta", 0.04, "--num_iterations", 1, "--num_mini_batches", 1,
+                                         "--local_rollout_forward_batch_size", 16], 16),
     }
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
     python = os.environ.get("BENCH_TRL_PYTHON", sys.executable)  # the interpreter with trl installed
@@ -196,76 +148,26 @@ if __name__ == "__main__":
                     run_dir = os.path.join(out, f"{algo}_{side}_{name}_{repeat}")
                     subprocess.run(["rm", "-rf", run_dir])
                     if side == "ours":
-                        command = (
-                            torchrun
-                            + [
-                                script,
-                                "--model_name_or_path",
-                                model,
-                                "--dataset_name",
-                                data_file,
-                                "--output_dir",
-                                run_dir,
-                                "--max_steps",
-                                args.steps,
-                                "--per_device_train_batch_size",
-                                batch,
-                                "--learning_rate",
-                                1e-5,
-                                "--lr_scheduler_type",
-                                "constant",
-                                "--log_every",
-                                1,
-                                "--max_prompt_length",
-                                128,
-                            ]
-                            + extra
-                            + VARIANTS[side][name]
-                        )
-                        times, peak = run(
-                            [str(a) for a in command], metrics_file=os.path.join(run_dir, "metrics.jsonl")
-                        )
+                        command = torchrun + [script, "--model_name_or_path", model, "--dataset_name", data_file,
+                                              "--output_dir", run_dir, "--max_steps", args.steps,
+                                              "--per_device_train_batch_size", batch, "--learning_rate", 1e-5,
+                                              "--lr_scheduler_type", "constant", "--log_every", 1,
+                                              "--max_prompt_length", 128, *extra, *VARIANTS[side][name]]
+                        metrics = os.path.join(run_dir, "metrics.jsonl")
+                        times, peak = run([str(a) for a in command], metrics_file=metrics)
                     else:
-                        command = (
-                            trl_run
-                            + [
-                                "bench/trl_equivalent.py",
-                                algo,
-                                "--model",
-                                model,
-                                "--data",
-                                data_file,
-                                "--output_dir",
-                                run_dir,
-                                "--steps",
-                                args.steps,
-                                "--batch",
-                                batch,
-                            ]
-                            + VARIANTS[side][name]
-                        )
+                        command = trl_run + ["bench/trl_equivalent.py", algo, "--model", model, "--data", data_file,
+                                             "--output_dir", run_dir, "--steps", args.steps, "--batch", batch,
+                                             *VARIANTS[side][name]]
                         times, peak = run([str(a) for a in command], step_file=os.path.join(run_dir, "step_times.txt"))
                     results[(side, name)].append((seconds_per_step(times), peak))
-                    print(
-                        algo,
-                        repeat,
-                        side,
-                        name,
-                        f"{results[(side, name)][-1][0]:.3f} s/step, {peak:.2f} GiB",
-                        flush=True,
-                    )
-        rows = {
-            f"{side} {name}": (statistics.median(s for s, _ in r), max(m for _, m in r))
-            for (side, name), r in results.items()
-        }
+                    seconds, peak = results[(side, name)][-1]
+                    print(algo, repeat, side, name, f"{seconds:.3f} s/step, {peak:.2f} GiB", flush=True)
+        rows = {f"{side} {name}": (statistics.median(s for s, _ in r), max(m for _, m in r))
+                for (side, name), r in results.items()}
         table[algo] = rows
-        equal = rows.get(
-            "trl equal", next(v for k, v in rows.items() if k.startswith("trl"))
-        )  # checkpointing off, as ours
+        equal = rows.get("trl equal", next(v for k, v in rows.items() if k.startswith("trl")))  # checkpointing off
         for name, (seconds, peak) in rows.items():
-            print(
-                f"{algo} | {name} | {seconds:.3f} s/step | {peak:.2f} GiB | ratio to TRL equal "
-                f"{seconds / equal[0]:.2f} (time), {peak / equal[1]:.2f} (memory)",
-                flush=True,
-            )
+            print(f"{algo} | {name} | {seconds:.3f} s/step | {peak:.2f} GiB | ratio to TRL equal "
+                  f"{seconds / equal[0]:.2f} (time), {peak / equal[1]:.2f} (memory)", flush=True)
     json.dump(table, open(os.path.join(out, "compare_trl.json"), "w"), indent=1)

@@ -45,46 +45,12 @@ from compare_trl import make_model, run, seconds_per_step  # noqa: E402
 
 # What each run measures, on a GPU and in the CPU dry run. Lengths in tokens (the toy tokenizer: one token per byte).
 SIZES = {
-    "gpu": dict(
-        shape="qwen2.5-0.5b",
-        prompt=128,
-        completion=384,
-        sft_batch=8,
-        dpo_batch=8,
-        steps=30,
-        skip=5,
-        grpo_prompts=8,
-        grpo_generations=8,
-        grpo_completion=256,
-        grpo_micro=16,
-        grpo_steps=6,
-        grpo_skip=2,
-        toy_steps=4,
-        gen_repeats=1,
-        check_prompts=8,
-        check_tokens=16,
-        run_timeout=240,
-    ),
-    "dry": dict(
-        shape="tiny",
-        prompt=16,
-        completion=16,
-        sft_batch=4,
-        dpo_batch=4,
-        steps=5,
-        skip=1,
-        grpo_prompts=2,
-        grpo_generations=4,
-        grpo_completion=8,
-        grpo_micro=4,
-        grpo_steps=3,
-        grpo_skip=1,
-        toy_steps=2,
-        gen_repeats=1,
-        check_prompts=4,
-        check_tokens=6,
-        run_timeout=300,
-    ),
+    "gpu": dict(shape="qwen2.5-0.5b", prompt=128, completion=384, sft_batch=8, dpo_batch=8, steps=30, skip=5,
+                grpo_prompts=8, grpo_generations=8, grpo_completion=256, grpo_micro=16, grpo_steps=6, grpo_skip=2,
+                toy_steps=4, gen_repeats=1, check_prompts=8, check_tokens=16, run_timeout=240),
+    "dry": dict(shape="tiny", prompt=16, completion=16, sft_batch=4, dpo_batch=4, steps=5, skip=1, grpo_prompts=2,
+                grpo_generations=4, grpo_completion=8, grpo_micro=4, grpo_steps=3, grpo_skip=1, toy_steps=2,
+                gen_repeats=1, check_prompts=4, check_tokens=6, run_timeout=300),
 }
 # dense bf16 matrix rate from the data sheets (FLOP/s), what MFU is taken against; the measured rate is also reported
 PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
@@ -97,23 +63,20 @@ def main():
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on CPU: checks that the command runs")
     parser.add_argument("--stages", nargs="+", default=["env", "correctness", "speed", "generation"])
     parser.add_argument("--no-trl", action="store_true", help="skip TRL's side of the speed stage")
-    parser.add_argument(
-        "--algos", nargs="+", default=["sft", "dpo", "grpo", "grpo_static"], help="the speed stage's runs"
-    )
+    parser.add_argument("--algos", nargs="+", default=["sft", "dpo", "grpo", "grpo_static"], help="the speed runs")
     parser.add_argument("--budget", type=float, default=520, help="seconds; a stage that would start later is skipped")
     args = parser.parse_args()
     sizes = SIZES["dry" if args.dry_run else "gpu"]
     out = os.path.abspath(args.out)
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu and not args.dry_run:
+    if not torch.cuda.is_available() and not args.dry_run:
         sys.exit("no CUDA device: bench/gpu.py measures a GPU (use --dry-run on CPU)")
     results = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "dry_run": args.dry_run, "sizes": sizes, "stages": {}}
     begin = time.time()
     from toy_task import write_toy_task
 
-    if not os.path.exists(os.path.join(out, "toy", "model")):  # a few steps per run: 512 training rows are plenty (the
-        write_toy_task(os.path.join(out, "toy"), num_train=512, num_test=64)  # full 4000 cost dpo and reward passes)
+    if not os.path.exists(os.path.join(out, "toy", "model")):  # a few steps a run: 512 training rows are plenty
+        write_toy_task(os.path.join(out, "toy"), num_train=512, num_test=64)
     stages = {"env": env_stage, "correctness": correctness_stage, "speed": speed_stage, "generation": generation_stage}
     for name in args.stages:
         if time.time() - begin > args.budget:
@@ -138,7 +101,6 @@ def main():
 
 # ---------------------------------------------------------------------------------------------------------------------
 # env: the machine and the two numbers everything is compared with
-# ---------------------------------------------------------------------------------------------------------------------
 def env_stage(out, sizes, args):
     import importlib.metadata
 
@@ -150,22 +112,17 @@ def env_stage(out, sizes, args):
             versions[package] = None
     result = {"python": platform.python_version(), "versions": versions, "failures": []}
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        result.update(
-            device=name,
-            cuda=torch.version.cuda,
-            memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
-            nccl=".".join(map(str, torch.cuda.nccl.version())),
-        )
+        result.update(device=torch.cuda.get_device_name(), cuda=torch.version.cuda,
+                      memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+                      nccl=".".join(map(str, torch.cuda.nccl.version())))
         size, dtype = 8192, torch.bfloat16
     else:
         result.update(device=f"CPU ({os.cpu_count()} cores)", cuda=None)
         size, dtype = 512, torch.float32
     result["peak_bf16_tflops"] = peak_tflops()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    a, b = (torch.randn(size, size, device=device(), dtype=dtype) for _ in range(2))
     times = []
-    for i in range(13):
+    for _ in range(13):
         sync()
         start = time.perf_counter()
         a @ b
@@ -177,14 +134,24 @@ def env_stage(out, sizes, args):
     return result
 
 
+def device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
+def peak_tflops():
+    """The data sheet's dense bf16 rate of this GPU (None: no GPU, or one not in PEAK_BF16)."""
+    if not torch.cuda.is_available():
+        return None
+    return next((v / 1e12 for k, v in PEAK_BF16.items() if k in torch.cuda.get_device_name()), None)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # correctness: every script on the toy task, one process, bf16 on the GPU
-# ---------------------------------------------------------------------------------------------------------------------
 def torchrun(script, arguments):
     """One process: torchrun on a GPU, as users launch there. On CPU (the dry run) `python script.py`, the scripts'
     one-process path without the launcher's own interpreter (measured: 1.7 of a 2-step sft run's 7.9 CPU-seconds)."""
@@ -195,13 +162,8 @@ def torchrun(script, arguments):
 def launch_all(runs, out, timeout):
     """Start every (name, command) at once (the toy model is tiny: they share the GPU), wait for all; returns
     name -> (exit code, output)."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-    }
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1"}
     processes = {}
     for name, command in runs.items():
         log = open(os.path.join(out, "logs", f"{name}.log"), "w")
@@ -240,10 +202,9 @@ def check_run(name, code, output, output_dir, model_kind, failures):
 
     try:
         auto = AutoModelForSequenceClassification if model_kind == "reward" else AutoModelForCausalLM
-        model = auto.from_pretrained(output_dir, dtype=torch.float32).to("cuda" if torch.cuda.is_available() else "cpu")
+        model = auto.from_pretrained(output_dir, dtype=torch.float32).to(device())
         ids = AutoTokenizer.from_pretrained(output_dir)("sort: 31415 -> 11345", return_tensors="pt")["input_ids"]
-        logits = model(input_ids=ids.to(model.device)).logits
-        if not torch.isfinite(logits).all():
+        if not torch.isfinite(model(input_ids=ids.to(model.device)).logits).all():
             failures.append(f"{name}: the saved model gives non-finite outputs")
     except Exception as e:
         failures.append(f"{name}: the saved folder {output_dir} does not load: {e!r}")
@@ -264,148 +225,68 @@ def elsewhere(command, output_dir, *extra):
 
 
 def correctness_stage(out, sizes, args):
-    toy, runs_dir, steps = os.path.join(out, "toy"), os.path.join(out, "correctness"), sizes["toy_steps"]
-    shutil.rmtree(runs_dir, ignore_errors=True)  # the scripts refuse an output_dir that holds an earlier run
-    common = ["--learning_rate", 1e-4, "--log_every", 1, "--per_device_train_batch_size", 16, "--max_steps"]
-    sft = (
-        ["sft.py", "--model_name_or_path", f"{toy}/model", "--dataset_name", f"{toy}/sft", "--save_every", steps // 2]
-        + common
-        + [steps]
-    )
+    toy, runs, steps = os.path.join(out, "toy"), os.path.join(out, "correctness"), sizes["toy_steps"]
+    shutil.rmtree(runs, ignore_errors=True)  # the scripts refuse an output_dir that holds an earlier run
+    common = ["--learning_rate", 1e-4, *"--log_every 1 --per_device_train_batch_size 16 --max_steps".split()]
+    model = ["--model_name_or_path", f"{toy}/model"]
+    sft = ["sft.py", *model, "--dataset_name", f"{toy}/sft", "--save_every", steps // 2, *common, steps]
+    rl = [*model, "--dataset_name", f"{toy}/prompts", "--max_completion_length", 12]
+    rl += ["--per_device_eval_batch_size", 100]
     first_wave = {
-        "sft": sft + ["--output_dir", f"{runs_dir}/sft"],
-        "sft_again": sft + ["--output_dir", f"{runs_dir}/sft_again"],  # the run-to-run noise of the GPU (not on CPU)
-        "reward": [
-            "reward.py",
-            "--model_name_or_path",
-            f"{toy}/model",
-            "--dataset_name",
-            f"{toy}/preference",
-            "--output_dir",
-            f"{runs_dir}/reward",
-        ]
-        + common
-        + [steps],
-        "dpo": [
-            "dpo.py",
-            "--model_name_or_path",
-            f"{toy}/model",
-            "--dataset_name",
-            f"{toy}/preference",
-            "--output_dir",
-            f"{runs_dir}/dpo",
-        ]
-        + common
-        + [steps],
-        "grpo": [
-            "grpo.py",
-            "--model_name_or_path",
-            f"{toy}/model",
-            "--dataset_name",
-            f"{toy}/prompts",
-            "--output_dir",
-            f"{runs_dir}/grpo",
-            "--reward_fn",
-            "exact_match",
-            "--num_generations",
-            4,
-            "--max_completion_length",
-            12,
-            "--per_device_eval_batch_size",
-            100,
-        ]
-        + common
-        + [steps],
+        "sft": sft + ["--output_dir", f"{runs}/sft"],
+        "sft_again": sft + ["--output_dir", f"{runs}/sft_again"],  # the run-to-run noise of the GPU (not on CPU)
+        "reward": ["reward.py", *model, "--dataset_name", f"{toy}/preference", "--output_dir", f"{runs}/reward",
+                   *common, steps],
+        "dpo": ["dpo.py", *model, "--dataset_name", f"{toy}/preference", "--output_dir", f"{runs}/dpo", *common, steps],
+        "grpo": ["grpo.py", *rl, "--output_dir", f"{runs}/grpo", "--reward_fn", "exact_match", "--num_generations", 4,
+                 *common, steps],
     }
-    first_wave["grpo_static"] = elsewhere(
-        first_wave["grpo"], f"{runs_dir}/grpo_static", "--cache_implementation", "static"
-    )
+    first_wave["grpo_static"] = elsewhere(first_wave["grpo"], f"{runs}/grpo_static", "--cache_implementation", "static")
     second_wave = {  # after the first: ppo scores with the reward model; sft resumes from the first run's checkpoint
-        "ppo": [
-            "ppo.py",
-            "--model_name_or_path",
-            f"{toy}/model",
-            "--reward_model_path",
-            f"{runs_dir}/reward",
-            "--dataset_name",
-            f"{toy}/prompts",
-            "--output_dir",
-            f"{runs_dir}/ppo",
-            "--max_completion_length",
-            12,
-            "--num_ppo_epochs",
-            2,
-            "--num_mini_batches",
-            2,
-            "--local_rollout_forward_batch_size",
-            32,
-            "--per_device_eval_batch_size",
-            100,
-        ]
-        + common
-        + [4],
-        "sft_resumed": sft
-        + ["--output_dir", f"{runs_dir}/sft_resumed", "--resume_from", f"{runs_dir}/sft/checkpoints/step_{steps // 2}"],
+        "ppo": ["ppo.py", *rl, "--reward_model_path", f"{runs}/reward", "--output_dir", f"{runs}/ppo",
+                "--num_ppo_epochs", 2, "--num_mini_batches", 2, "--local_rollout_forward_batch_size", 32, *common, 4],
+        "sft_resumed": sft + ["--output_dir", f"{runs}/sft_resumed", "--resume_from",
+                              f"{runs}/sft/checkpoints/step_{steps // 2}"],
     }
-    second_wave["ppo_static"] = elsewhere(
-        second_wave["ppo"], f"{runs_dir}/ppo_static", "--cache_implementation", "static"
-    )
+    second_wave["ppo_static"] = elsewhere(second_wave["ppo"], f"{runs}/ppo_static", "--cache_implementation", "static")
     if not torch.cuda.is_available():  # the dry run: no noise to measure on CPU, where the static cache is not
         for wave in (first_wave, second_wave):  # compiled (tests/test_grpo.py checks it there, in process)
             for name in ("sft_again", "grpo_static", "ppo_static"):
                 wave.pop(name, None)
     result, failures = {"runs": {}}, []
-    kinds = {"reward": "reward"}
+    keys = ("loss", "objective/scores", "completions/mean_length", "eval/scores", "val/num_eos_tokens",
+            "tokens_per_second")
     for wave in (first_wave, second_wave):
-        finished = launch_all(
-            {name: torchrun(cmd[0], cmd[1:]) for name, cmd in wave.items()}, out, sizes["run_timeout"]
-        )
+        finished = launch_all({name: torchrun(cmd[0], cmd[1:]) for name, cmd in wave.items()}, out,
+                              sizes["run_timeout"])
         for name, (code, output) in finished.items():
-            last = check_run(name, code, output, f"{runs_dir}/{name}", kinds.get(name, "causal"), failures)
-            keys = (
-                "loss",
-                "objective/scores",
-                "completions/mean_length",
-                "eval/scores",
-                "val/num_eos_tokens",
-                "tokens_per_second",
-            )
+            kind = "reward" if name == "reward" else "causal"
+            last = check_run(name, code, output, f"{runs}/{name}", kind, failures)
             result["runs"][name] = {"exit": code, "last_metrics": {k: last[k] for k in keys if last and k in last}}
-    again = f"{runs_dir}/sft_again"
-    if all(os.path.exists(f"{runs_dir}/{name}/model.safetensors") for name in ("sft", "sft_resumed")):
-        resumed = max_difference(f"{runs_dir}/sft", f"{runs_dir}/sft_resumed")
-        # on CPU (no sft_again) two runs agree to the bit
-        noise = max_difference(f"{runs_dir}/sft", again) if os.path.exists(f"{again}/model.safetensors") else 0.0
-        result["resume"] = {
-            "max_abs_difference_resumed_vs_straight": resumed,
-            "max_abs_difference_two_straight_runs": noise,
-        }
+    if all(os.path.exists(f"{runs}/{name}/model.safetensors") for name in ("sft", "sft_resumed")):
+        resumed = max_difference(f"{runs}/sft", f"{runs}/sft_resumed")
+        again = f"{runs}/sft_again"  # on CPU (no sft_again) two runs agree to the bit
+        noise = max_difference(f"{runs}/sft", again) if os.path.exists(f"{again}/model.safetensors") else 0.0
+        result["resume"] = {"max_abs_difference_resumed_vs_straight": resumed,
+                            "max_abs_difference_two_straight_runs": noise}
         if resumed > noise:
-            failures.append(
-                f"resume: the resumed sft differs from the straight run by {resumed:.3g}, "
-                f"more than two straight runs ({noise:.3g})"
-            )
+            failures.append(f"resume: the resumed sft differs from the straight run by {resumed:.3g}, more than two "
+                            f"straight runs ({noise:.3g})")
     result["failures"] = failures
     return result
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # speed: a real model's shape, ours and TRL's, the same data, batch sizes and lengths
-# ---------------------------------------------------------------------------------------------------------------------
 def write_synthetic_data(folder, sizes, rows=256, seed=0):
     """Rows of random letters at fixed lengths (one token per byte with the toy tokenizer, EOS added by the scripts):
     every batch has the same number of tokens, so tokens per step are known without padding."""
     rng = random.Random(seed)
-
-    def text(n):
-        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(n))
-
+    text = lambda n: "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(n))
     p, c = sizes["prompt"], sizes["completion"] - 1  # the completion's last token is the EOS
-    files = {
-        "sft": [{"prompt": text(p), "completion": text(c)} for _ in range(rows)],
-        "preference": [{"prompt": text(p), "chosen": text(c), "rejected": text(c)} for _ in range(rows)],
-        "prompts": [{"prompt": text(p), "answer": text(8)} for _ in range(rows)],
-    }
+    files = {"sft": [{"prompt": text(p), "completion": text(c)} for _ in range(rows)],
+             "preference": [{"prompt": text(p), "chosen": text(c), "rejected": text(c)} for _ in range(rows)],
+             "prompts": [{"prompt": text(p), "answer": text(8)} for _ in range(rows)]}
     for name, data in files.items():
         with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in data)
@@ -422,92 +303,37 @@ def flops_per_token(config, sequence_length):
 
 
 def speed_stage(out, sizes, args):
+    import importlib.util
+
     data, model = os.path.join(out, "speed_data"), os.path.join(out, f"model_{sizes['shape']}")
     os.makedirs(data, exist_ok=True)
     write_synthetic_data(data, sizes)
     if not os.path.exists(model):
         make_model(out, sizes["shape"])
-    import importlib.util
-
     with_trl = not args.no_trl and importlib.util.find_spec("trl") is not None
     runs_dir, timeout = os.path.join(out, "speed"), sizes["run_timeout"]
     shutil.rmtree(runs_dir, ignore_errors=True)  # the scripts refuse an output_dir that holds an earlier run
-    length = sizes["prompt"] + sizes["completion"]
+    os.makedirs(runs_dir)
+    steps, skip, length = sizes["steps"], sizes["skip"], sizes["prompt"] + sizes["completion"]
     lengths = ["--max_prompt_length", sizes["prompt"], "--max_completion_length", sizes["completion"]]
     ours = ["--model_name_or_path", model, "--learning_rate", 1e-5, "--lr_scheduler_type", "constant", "--log_every", 1]
-    G, micro = sizes["grpo_generations"], sizes["grpo_micro"]
+    G, micro, new = sizes["grpo_generations"], sizes["grpo_micro"], sizes["grpo_completion"]
     accumulation = sizes["grpo_prompts"] * G // micro
-    grpo = [
-        "--num_generations",
-        G,
-        "--max_completion_length",
-        sizes["grpo_completion"],
-        "--max_prompt_length",
-        sizes["prompt"],
-        "--per_device_train_batch_size",
-        micro,
-        "--gradient_accumulation_steps",
-        accumulation,
-        "--temperature",
-        1.0,
-        "--beta",
-        0.04,
-        "--local_rollout_forward_batch_size",
-        sizes["grpo_prompts"] * G,
-        "--reward_fn",
-        "exact_match",
-        "--max_steps",
-        sizes["grpo_steps"],
-    ]
     files = {"sft": f"{data}/sft.jsonl", "dpo": f"{data}/preference.jsonl", "grpo": f"{data}/prompts.jsonl"}
+    grpo = ["bench/profile_rl.py", "grpo.py", "--dataset_name", files["grpo"], "--num_generations", G,
+            "--max_completion_length", new, "--max_prompt_length", sizes["prompt"], "--per_device_train_batch_size",
+            micro, "--gradient_accumulation_steps", accumulation, "--temperature", 1.0, "--beta", 0.04,
+            "--local_rollout_forward_batch_size", sizes["grpo_prompts"] * G, "--reward_fn", "exact_match",
+            "--max_steps", sizes["grpo_steps"]]
     plan = {  # algo: (our command, TRL's arguments, optimizer steps timed from)
-        "sft": (
-            [
-                "sft.py",
-                "--dataset_name",
-                files["sft"],
-                "--per_device_train_batch_size",
-                sizes["sft_batch"],
-                "--max_steps",
-                sizes["steps"],
-            ]
-            + lengths,
-            ["--batch", sizes["sft_batch"], "--max_length", length, "--steps", sizes["steps"]],
-            sizes["skip"],
-        ),
-        "dpo": (
-            [
-                "dpo.py",
-                "--dataset_name",
-                files["dpo"],
-                "--per_device_train_batch_size",
-                sizes["dpo_batch"],
-                "--max_steps",
-                sizes["steps"],
-                "--beta",
-                0.1,
-                "--no-precompute-ref-logps",
-            ]
-            + lengths,
-            ["--batch", sizes["dpo_batch"], "--max_length", length, "--steps", sizes["steps"]],
-            sizes["skip"],
-        ),
-        "grpo": (
-            ["bench/profile_rl.py", "grpo.py", "--dataset_name", files["grpo"]] + grpo,
-            [
-                "--batch",
-                micro,
-                "--gradient_accumulation_steps",
-                accumulation,
-                "--num_generations",
-                G,
-                "--max_completion_length",
-                sizes["grpo_completion"],
-                "--steps",
-                sizes["grpo_steps"],
-            ],
-            sizes["grpo_skip"],
-        ),
+        "sft": (["sft.py", "--dataset_name", files["sft"], "--per_device_train_batch_size", sizes["sft_batch"],
+                 "--max_steps", steps, *lengths],
+                ["--batch", sizes["sft_batch"], "--max_length", length, "--steps", steps], skip),
+        "dpo": (["dpo.py", "--dataset_name", files["dpo"], "--per_device_train_batch_size", sizes["dpo_batch"],
+                 "--max_steps", steps, "--beta", 0.1, "--no-precompute-ref-logps", *lengths],
+                ["--batch", sizes["dpo_batch"], "--max_length", length, "--steps", steps], skip),
+        "grpo": (grpo, ["--batch", micro, "--gradient_accumulation_steps", accumulation, "--num_generations", G,
+                        "--max_completion_length", new, "--steps", sizes["grpo_steps"]], sizes["grpo_skip"]),
     }
     # grpo.py with --cache_implementation static, against the same TRL run (TRL's GRPO as it comes: dynamic cache)
     plan["grpo_static"] = (plan["grpo"][0] + ["--cache_implementation", "static"], None, sizes["grpo_skip"])
@@ -517,68 +343,41 @@ def speed_stage(out, sizes, args):
     for algo, (our_command, trl_arguments, skip) in plan.items():
         if algo not in args.algos or (algo == "grpo_static" and not torch.cuda.is_available()):  # compiled on GPUs only
             continue
-        row = {}
-        output_dir = os.path.join(runs_dir, f"{algo}_ours")
-        env_profile = (
-            {"PROFILE_JSON": os.path.join(runs_dir, f"{algo}_profile.json"), "PROFILE_SKIP": str(skip)}
-            if "grpo" in algo
-            else {}
-        )
-        os.makedirs(runs_dir, exist_ok=True)
+        row, output_dir = {}, os.path.join(runs_dir, f"{algo}_ours")
+        profile = {"PROFILE_JSON": os.path.join(runs_dir, f"{algo}_profile.json"), "PROFILE_SKIP": str(skip)}
+        profile = profile if "grpo" in algo else {}
         try:
-            os.environ.update(env_profile)
-            times, memory = run(
-                torchrun(our_command[0], our_command[1:] + ours + ["--output_dir", output_dir]),
-                metrics_file=os.path.join(output_dir, "metrics.jsonl"),
-                timeout=timeout,
-                log_file=os.path.join(out, "logs", f"speed_{algo}_ours.log"),
-            )
+            os.environ.update(profile)
+            times, memory = run(torchrun(our_command[0], our_command[1:] + ours + ["--output_dir", output_dir]),
+                                metrics_file=os.path.join(output_dir, "metrics.jsonl"), timeout=timeout,
+                                log_file=os.path.join(out, "logs", f"speed_{algo}_ours.log"))
             row["ours"] = {"seconds_per_step": seconds_per_step(times, skip), "peak_memory_gib": memory}
-            if env_profile and os.path.exists(env_profile["PROFILE_JSON"]):
-                row["ours"]["breakdown"] = grpo_breakdown(json.load(open(env_profile["PROFILE_JSON"])))
+            if profile and os.path.exists(profile["PROFILE_JSON"]):
+                row["ours"]["breakdown"] = grpo_breakdown(json.load(open(profile["PROFILE_JSON"])))
         except Exception as e:
             failures.append(f"speed {algo} ours: {str(e)[-2000:]}")
         finally:
-            for key in env_profile:
+            for key in profile:
                 os.environ.pop(key, None)
         if with_trl and trl_arguments is None and "trl" in result["runs"].get("grpo", {}):
             row["trl"] = result["runs"]["grpo"]["trl"]
         elif with_trl and trl_arguments is not None:
             trl_dir = os.path.join(runs_dir, f"{algo}_trl")
-            command = [
-                sys.executable,
-                "bench/trl_equivalent.py",
-                algo,
-                "--model",
-                model,
-                "--data",
-                files[algo],
-                "--output_dir",
-                trl_dir,
-            ]
-            command += [str(a) for a in trl_arguments]
+            command = [sys.executable, "bench/trl_equivalent.py", algo, "--model", model, "--data", files[algo],
+                       "--output_dir", trl_dir, *map(str, trl_arguments)]
             try:
-                times, memory = run(
-                    command,
-                    step_file=os.path.join(trl_dir, "step_times.txt"),
-                    timeout=timeout,
-                    log_file=os.path.join(out, "logs", f"speed_{algo}_trl.log"),
-                )
+                times, memory = run(command, step_file=os.path.join(trl_dir, "step_times.txt"), timeout=timeout,
+                                    log_file=os.path.join(out, "logs", f"speed_{algo}_trl.log"))
                 row["trl"] = {"seconds_per_step": seconds_per_step(times, skip), "peak_memory_gib": memory}
             except Exception as e:
                 failures.append(f"speed {algo} TRL: {str(e)[-2000:]}")
         if "ours" in row and "trl" in row:
-            row["ours_over_trl"] = {
-                "time": row["ours"]["seconds_per_step"] / row["trl"]["seconds_per_step"],
-                "memory": row["ours"]["peak_memory_gib"] / row["trl"]["peak_memory_gib"],
-            }
-        if algo == "sft":
-            tokens = sizes["sft_batch"] * length
-            for side in ("ours", "trl"):
-                if side in row:
-                    row[side]["tokens_per_second"] = tokens / row[side]["seconds_per_step"]
-                    if peak:
-                        row[side]["mfu"] = row[side]["tokens_per_second"] * flops_per_token(config, length) / peak
+            row["ours_over_trl"] = {"time": row["ours"]["seconds_per_step"] / row["trl"]["seconds_per_step"],
+                                    "memory": row["ours"]["peak_memory_gib"] / row["trl"]["peak_memory_gib"]}
+        for side in [side for side in ("ours", "trl") if side in row and algo == "sft"]:
+            row[side]["tokens_per_second"] = sizes["sft_batch"] * length / row[side]["seconds_per_step"]
+            if peak:
+                row[side]["mfu"] = row[side]["tokens_per_second"] * flops_per_token(config, length) / peak
         result["runs"][algo] = row
         print(algo, json.dumps(row), flush=True)
         json.dump(result, open(os.path.join(out, "speed_partial.json"), "w"), indent=1)  # if the run is cut short
@@ -586,14 +385,6 @@ def speed_stage(out, sizes, args):
         result["trl"] = "skipped: --no-trl" if args.no_trl else "skipped: trl is not installed"
     result["failures"] = failures
     return result
-
-
-def peak_tflops():
-    """The data sheet's dense bf16 rate of this GPU (None: no GPU, or one not in PEAK_BF16)."""
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    return next((v / 1e12 for k, v in PEAK_BF16.items() if k in name), None)
 
 
 def parameter_counts(model_dir):
@@ -622,7 +413,6 @@ def grpo_breakdown(profile):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # generation: the paths transformers offers, their speed, and whether they sample from softmax(logits / T)
-# ---------------------------------------------------------------------------------------------------------------------
 def generation_stage(out, sizes, args):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -631,32 +421,18 @@ def generation_stage(out, sizes, args):
     model_dir = os.path.join(out, f"model_{sizes['shape']}")
     if not os.path.exists(model_dir):
         make_model(out, sizes["shape"])
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     rng = random.Random(1)
     prompts = [[rng.randrange(60, 90) for _ in range(sizes["prompt"])] for _ in range(sizes["grpo_prompts"])]
     prompts = [p for p in prompts for _ in range(sizes["grpo_generations"])]  # a rollout: each prompt G times
     new_tokens, temperature = sizes["grpo_completion"], 1.0
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    result, failures = (
-        {"completions": len(prompts), "prompt_tokens": sizes["prompt"], "new_tokens": new_tokens, "paths": {}},
-        [],
-    )
+    result = {"completions": len(prompts), "prompt_tokens": sizes["prompt"], "new_tokens": new_tokens, "paths": {}}
+    failures = []
+    # grpo.py's sampling: every option unset but temperature, top_k off
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=pad_id)
 
-    def config(**extra):  # grpo.py's sampling: every option unset but temperature, top_k off
-        return GenerationConfig(
-            do_sample=True,
-            temperature=temperature,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=new_tokens,
-            eos_token_id=eos,
-            pad_token_id=pad_id,
-            **extra,
-        )
-
-    def timed(call, repeats=sizes["gen_repeats"]):
+    def timed(call, repeats):
         times = []
         for _ in range(1 + repeats):  # the first call pays compilation, graph capture, allocation
             sync()
@@ -664,28 +440,22 @@ def generation_stage(out, sizes, args):
             completions = call()
             sync()
             times.append(time.perf_counter() - start)
-        tokens = sum(len(c) for c in completions)
-        steady = statistics.median(times[1:] or times)
-        return {
-            "first_call_s": times[0],
-            "seconds": steady,
-            "samples_per_second": len(prompts) / steady,
-            "tokens_per_second": tokens / steady,
-        }
+        tokens, steady = sum(len(c) for c in completions), statistics.median(times[1:] or times)
+        return {"first_call_s": times[0], "seconds": steady, "samples_per_second": len(prompts) / steady,
+                "tokens_per_second": tokens / steady}
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device()).eval()
+    dynamic, static, batch = ("generate (dynamic cache; grpo.py, ppo.py)", "generate, static cache + torch.compile",
+                              "generate_batch (continuous batching)")
     paths = {
-        "generate (dynamic cache; grpo.py, ppo.py)": lambda: generate_completions(
-            model, prompts, new_tokens, temperature, eos, pad_id
-        ),
-        "generate, static cache + torch.compile": lambda: generate_completions(
-            model, prompts, new_tokens, temperature, eos, pad_id, "static"
-        ),
-        "generate_batch (continuous batching)": lambda: batch_generate(model, prompts, config()),
+        dynamic: lambda: generate_completions(model, prompts, new_tokens, temperature, eos, pad_id),
+        static: lambda: generate_completions(model, prompts, new_tokens, temperature, eos, pad_id, "static"),
+        batch: lambda: batch_generate(model, prompts, GenerationConfig(**sampling, max_new_tokens=new_tokens)),
     }
     for name, call in paths.items():
         try:  # generate_batch sets up its cache and captures its graphs at every call: one call says it
-            result["paths"][name] = timed(call, 0 if "generate_batch" in name else sizes["gen_repeats"])
+            result["paths"][name] = timed(call, 0 if name == batch else sizes["gen_repeats"])
         except Exception as e:
             result["paths"][name] = {"error": repr(e)[-1500:]}
             failures.append(f"generation {name}: {e!r}"[:2000])
@@ -693,36 +463,25 @@ def generation_stage(out, sizes, args):
     del model
     # exactness, in fp32 on a small rollout: the log-probs of the sampled tokens (and for generate, the whole processed
     # distribution at every step) against log_softmax(logits / T) of one teacher-forced forward, as the scripts do
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    small = prompts[: sizes["check_prompts"]]
-    check = GenerationConfig(
-        do_sample=True,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=sizes["check_tokens"],
-        eos_token_id=eos,
-        pad_token_id=pad_id,
-    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device()).eval()
+    small, check = prompts[: sizes["check_prompts"]], GenerationConfig(**sampling, max_new_tokens=sizes["check_tokens"])
+    static_check = GenerationConfig(**check.to_diff_dict(), cache_implementation="static")
     checks = {
-        "generate (dynamic cache; grpo.py, ppo.py)": lambda: scores_check(model, small, check, pad_id, temperature),
+        dynamic: lambda: scores_check(model, small, check, pad_id, temperature),
         # compiled too, on a GPU (HF compiles the decoding step of a static cache on accelerators only)
-        "generate, static cache + torch.compile": lambda: scores_check(
-            model, small, GenerationConfig(**check.to_diff_dict(), cache_implementation="static"), pad_id, temperature
-        ),
-        "generate_batch (continuous batching)": lambda: logprobs_check(model, small, check, pad_id, temperature),
+        static: lambda: scores_check(model, small, static_check, pad_id, temperature),
+        batch: lambda: logprobs_check(model, small, check, pad_id, temperature),
     }
     for name, call in checks.items():
         try:
             exact = call()
         except Exception as e:
             exact = {"error": repr(e)[-1500:]}
-        exact["samples_softmax_logits_over_T"] = exact.get(
-            "max_abs_logprob_difference", math.inf
-        ) < CHECK_TOLERANCE and not exact.get("filtered")
+        difference = exact.get("max_abs_logprob_difference", math.inf)
+        exact["samples_softmax_logits_over_T"] = difference < CHECK_TOLERANCE and not exact.get("filtered")
         result["paths"].setdefault(name, {})["exactness"] = exact
         print(name, json.dumps(exact), flush=True)
-    if not result["paths"]["generate (dynamic cache; grpo.py, ppo.py)"]["exactness"]["samples_softmax_logits_over_T"]:
+    if not result["paths"][dynamic]["exactness"]["samples_softmax_logits_over_T"]:
         failures.append("generation: the scripts' own path does not sample from softmax(logits / T)")
     result["failures"] = failures
     return result
@@ -741,20 +500,14 @@ def batch_generate(model, prompts, config, with_logprobs=False):
     # on a GPU HF sizes the KV cache from the free memory; on CPU it cannot measure memory and its default took 11 of
     # the dry run's seconds to fill: a cache for these prompts only (16 blocks of 256 tokens)
     on_cpu = {} if torch.cuda.is_available() else dict(num_blocks=16, max_batch_tokens=512)
-    outputs = model.generate_batch(
-        prompts,
-        generation_config=config,
-        continuous_batching_config=ContinuousBatchingConfig(return_logprobs=with_logprobs, **on_cpu),
-        progress_bar=False,
-    )
+    batching = ContinuousBatchingConfig(return_logprobs=with_logprobs, **on_cpu)
+    outputs = model.generate_batch(prompts, generation_config=config, continuous_batching_config=batching,
+                                   progress_bar=False)
     ordered = sorted(outputs.values(), key=lambda o: int("".join(ch for ch in o.request_id if ch.isdigit()) or 0))
     completions = cut([list(o.generated_tokens) for o in ordered], config.eos_token_id)
     if with_logprobs:
-        return (
-            completions,
-            [list(o.logprobs)[: len(c)] for o, c in zip(ordered, completions)],
-            [list(o.prompt_ids) for o in ordered],
-        )
+        logprobs = [list(o.logprobs)[: len(c)] for o, c in zip(ordered, completions)]
+        return completions, logprobs, [list(o.prompt_ids) for o in ordered]
     return completions
 
 
@@ -767,9 +520,8 @@ def teacher_forced(model, prompts, completions, pad_id, temperature):
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     width = completion_mask.shape[1]
     with torch.no_grad():
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[
-            :, -width - 1 : -1
-        ]
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = logits[:, -width - 1 : -1]
     return torch.log_softmax(logits.float() / temperature, -1), input_ids[:, -width:], completion_mask.bool()
 
 
@@ -779,19 +531,12 @@ def scores_check(model, prompts, config, pad_id, temperature):
     repetition penalty) or another temperature would show as -inf entries or differences of order 1."""
     from grpo import pad
 
-    input_ids, mask = (
-        pad(prompts, pad_id, "left").to(model.device),
-        pad([[1] * len(p) for p in prompts], 0, "left").to(model.device),
-    )
+    input_ids = pad(prompts, pad_id, "left").to(model.device)
+    mask = pad([[1] * len(p) for p in prompts], 0, "left").to(model.device)
     folder_config, model.generation_config = model.generation_config, type(config)()
     try:
-        output = model.generate(
-            input_ids=input_ids,
-            attention_mask=mask,
-            generation_config=config,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
+        output = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config,
+                                output_scores=True, return_dict_in_generate=True)
     finally:
         model.generation_config = folder_config
     completions = cut(output.sequences[:, input_ids.shape[1] :].tolist(), config.eos_token_id)
@@ -800,12 +545,8 @@ def scores_check(model, prompts, config, pad_id, temperature):
     sampled_from = torch.log_softmax(scores, -1)
     filtered = bool(torch.isinf(scores[completion_mask]).any())
     distribution = (sampled_from - reference).abs()[completion_mask].max().item()
-    chosen = (
-        (sampled_from.gather(-1, labels[..., None]) - reference.gather(-1, labels[..., None]))[..., 0]
-        .abs()[completion_mask]
-        .max()
-        .item()
-    )
+    chosen = (sampled_from.gather(-1, labels[..., None]) - reference.gather(-1, labels[..., None]))[..., 0]
+    chosen = chosen.abs()[completion_mask].max().item()
     return {"max_abs_logprob_difference": chosen, "max_abs_distribution_difference": distribution, "filtered": filtered}
 
 
@@ -824,58 +565,41 @@ def logprobs_check(model, prompts, config, pad_id, temperature):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the summary
-# ---------------------------------------------------------------------------------------------------------------------
 def summarise(results):
-    stages, lines = results["stages"], []
-    env = stages.get("env", {})
-    lines.append(
-        f"# bench/gpu.py {'--dry-run ' if results['dry_run'] else ''}{results['date']}, {results.get('seconds', '?')} s"
-    )
+    stages, env = results["stages"], results["stages"].get("env", {})
+    lines = [f"# bench/gpu.py {'--dry-run ' if results['dry_run'] else ''}{results['date']}, "
+             f"{results.get('seconds', '?')} s"]
     if env:
-        lines.append(
-            f"{env.get('device')}; torch {env['versions'].get('torch')}, CUDA {env.get('cuda')}, transformers "
-            f"{env['versions'].get('transformers')}, trl {env['versions'].get('trl')}; "
-            f"matmul {env.get('matmul_tflops')} TFLOP/s ({env.get('matmul')}); "
-            f"MFU against {env.get('peak_bf16_tflops')} TFLOP/s dense bf16"
-        )
+        lines.append(f"{env.get('device')}; torch {env['versions'].get('torch')}, CUDA {env.get('cuda')}, "
+                     f"transformers {env['versions'].get('transformers')}, trl {env['versions'].get('trl')}; "
+                     f"matmul {env.get('matmul_tflops')} TFLOP/s ({env.get('matmul')}); "
+                     f"MFU against {env.get('peak_bf16_tflops')} TFLOP/s dense bf16")
     correctness = stages.get("correctness", {})
     if "runs" in correctness:
         lines += ["", "| toy run (1 process) | exit | last metrics |", "|---|---|---|"]
         for name, run_result in correctness["runs"].items():
-            shown = ", ".join(
-                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in run_result["last_metrics"].items()
-            )
+            shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                              for k, v in run_result["last_metrics"].items())
             lines.append(f"| {name} | {run_result['exit']} | {shown} |")
         if "resume" in correctness:
             r = correctness["resume"]
-            lines.append(
-                f"resume: max |resumed - straight| {r['max_abs_difference_resumed_vs_straight']:.3g}, "
-                f"two straight runs {r['max_abs_difference_two_straight_runs']:.3g}"
-            )
+            lines.append(f"resume: max |resumed - straight| {r['max_abs_difference_resumed_vs_straight']:.3g}, "
+                         f"two straight runs {r['max_abs_difference_two_straight_runs']:.3g}")
     speed = stages.get("speed", {})
     if "runs" in speed:
-        lines += [
-            "",
-            f"speed: {speed['model']} ({speed['parameters'] / 1e6:.1f}M parameters, random weights), one process",
-            "| script | ours s/step | TRL s/step | time ours/TRL | ours GiB | TRL GiB | memory ours/TRL | notes |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
+        lines += ["", f"speed: {speed['model']} ({speed['parameters'] / 1e6:.1f}M parameters, random weights), one "
+                  "process", "| script | ours s/step | TRL s/step | time ours/TRL | ours GiB | TRL GiB | memory "
+                  "ours/TRL | notes |", "|---|---|---|---|---|---|---|---|"]
         for algo, row in speed["runs"].items():
-            ours, trl, ratio = row.get("ours", {}), row.get("trl", {}), row.get("ours_over_trl", {})
-            notes = []
+            ours, trl, ratio, notes = row.get("ours", {}), row.get("trl", {}), row.get("ours_over_trl", {}), []
             if "tokens_per_second" in ours:
-                notes.append(
-                    f"tokens/s ours {ours['tokens_per_second']:.0f}"
-                    + (f", TRL {trl['tokens_per_second']:.0f}" if "tokens_per_second" in trl else "")
-                )
+                notes.append(f"tokens/s ours {ours['tokens_per_second']:.0f}"
+                             + (f", TRL {trl['tokens_per_second']:.0f}" if "tokens_per_second" in trl else ""))
             if "mfu" in ours:
                 notes.append(f"MFU ours {ours['mfu']:.3f}" + (f", TRL {trl['mfu']:.3f}" if "mfu" in trl else ""))
             if "breakdown" in ours:
-                notes.append(
-                    "step: "
-                    + ", ".join(f"{k} {v:.3f}" for k, v in ours["breakdown"].items() if k != "seconds_per_step")
-                    + " s"
-                )
+                parts = ", ".join(f"{k} {v:.3f}" for k, v in ours["breakdown"].items() if k != "seconds_per_step")
+                notes.append(f"step: {parts} s")
             cells = [ours.get("seconds_per_step"), trl.get("seconds_per_step"), ratio.get("time")]
             cells += [ours.get("peak_memory_gib"), trl.get("peak_memory_gib"), ratio.get("memory")]
             lines.append(f"| {algo} | " + " | ".join(fmt(c) for c in cells) + f" | {'; '.join(notes)} |")
@@ -883,23 +607,18 @@ def summarise(results):
             lines.append(f"TRL: {speed['trl']}")
     generation = stages.get("generation", {})
     if "paths" in generation:
-        lines += [
-            "",
-            f"generation: {generation['completions']} completions of {generation['new_tokens']} new tokens after "
-            f"{generation['prompt_tokens']}-token prompts",
-            "| path | samples/s | first call s | exact softmax(logits/T) | max logprob diff |",
-            "|---|---|---|---|---|",
-        ]
+        lines += ["", f"generation: {generation['completions']} completions of {generation['new_tokens']} new tokens "
+                  f"after {generation['prompt_tokens']}-token prompts",
+                  "| path | samples/s | first call s | exact softmax(logits/T) | max logprob diff |",
+                  "|---|---|---|---|---|"]
         for name, path in generation["paths"].items():
             exact = path.get("exactness", {})
-            lines.append(
-                f"| {name} | {fmt(path.get('samples_per_second'))} | {fmt(path.get('first_call_s'))} | "
-                f"{exact.get('samples_softmax_logits_over_T')} | {fmt(exact.get('max_abs_logprob_difference'))} |"
-            )
+            cells = [path.get("samples_per_second"), path.get("first_call_s"),
+                     exact.get("samples_softmax_logits_over_T"), exact.get("max_abs_logprob_difference")]
+            lines.append(f"| {name} | " + " | ".join(fmt(c) for c in cells) + " |")
     lines.append("")
     for name, stage in stages.items():
-        status = "FAILED" if stage.get("failures") else "passed"
-        lines.append(f"{name}: {status} ({stage.get('seconds', '?')} s)")
+        lines.append(f"{name}: {'FAILED' if stage.get('failures') else 'passed'} ({stage.get('seconds', '?')} s)")
         lines += [f"  - {failure}" for failure in stage.get("failures", [])]
     return "\n".join(lines) + "\n"
 

@@ -27,47 +27,24 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 EDITS = [  # (pattern, replacement): bf16 compute on CPU; the head's input gathered by an index tensor (a copy)
-    ('bf16 = args.bf16 and device.type == "cuda"', "bf16 = args.bf16"),
+    ('bf16 = args.bf16 and device.type == "cuda"', "bf16 = args.bf16"),  # da2f1e2
+    ('if args.bf16 and device.type == "cuda" else {}', "if args.bf16 else {}"),  # the scripts since
     ("logits_to_keep=completion_width + 1)", "logits_to_keep=torch.arange(-completion_width - 1, 0))"),
     ("output_hidden_states=True, logits_to_keep=1)", "output_hidden_states=True, logits_to_keep=torch.tensor([-1]))"),
+    ("logits_to_keep=1).logits", "logits_to_keep=torch.tensor([-1])).logits"),
 ]
+BF16_EDITS, HEAD_EDITS = {pattern for pattern, _ in EDITS[:2]}, {pattern for pattern, _ in EDITS[2:]}
 RUNS = {  # algo: (data file, our arguments, TRL's arguments beyond batch and steps)
     "sft": ("sft", ["--max_prompt_length", "128", "--max_completion_length", "384"], ["--max_length", "512"]),
-    "dpo": (
-        "preference",
-        ["--max_prompt_length", "128", "--max_completion_length", "384", "--beta", "0.1", "--no-precompute-ref-logps"],
-        ["--max_length", "512"],
-    ),
-    "grpo": (
-        "prompts",
-        [
-            "--max_prompt_length",
-            "128",
-            "--max_completion_length",
-            "128",
-            "--num_generations",
-            "8",
-            "--gradient_accumulation_steps",
-            "2",
-            "--local_rollout_forward_batch_size",
-            "32",
-            "--temperature",
-            "1.0",
-            "--beta",
-            "0.04",
-            "--reward_fn",
-            "exact_match",
-        ],
-        ["--num_generations", "8", "--max_completion_length", "128", "--gradient_accumulation_steps", "2"],
-    ),
+    "dpo": ("preference", ["--max_prompt_length", "128", "--max_completion_length", "384", "--beta", "0.1",
+                           "--no-precompute-ref-logps"], ["--max_length", "512"]),
+    "grpo": ("prompts", "--max_prompt_length 128 --max_completion_length 128 --num_generations 8 "
+             "--gradient_accumulation_steps 2 --local_rollout_forward_batch_size 32 --temperature 1.0 --beta 0.04 "
+             "--reward_fn exact_match".split(),
+             ["--num_generations", "8", "--max_completion_length", "128", "--gradient_accumulation_steps", "2"]),
 }
-ENV = {
-    "MALLOC_MMAP_THRESHOLD_": "65536",
-    "OMP_NUM_THREADS": "2",
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+       "TOKENIZERS_PARALLELISM": "false"}
 
 
 def copy_scripts(revision, folder):
@@ -75,14 +52,13 @@ def copy_scripts(revision, folder):
     os.makedirs(folder, exist_ok=True)
     used = set()
     for name in ("sft.py", "dpo.py", "grpo.py", "adam_tf.py"):
-        source = subprocess.run(
-            ["git", "show", f"{revision}:{name}"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout
+        git = ["git", "show", f"{revision}:{name}"]
+        source = subprocess.run(git, cwd=ROOT, capture_output=True, text=True, check=True).stdout
         for pattern, replacement in EDITS:
             if pattern in source:
                 source, used = source.replace(pattern, replacement), used | {pattern}
         open(os.path.join(folder, name), "w").write(source)
-    if EDITS[0][0] not in used or not used & {EDITS[1][0], EDITS[2][0]}:
+    if not used & BF16_EDITS or not used & HEAD_EDITS:
         raise SystemExit(f"{revision}: EDITS found nothing to change in the bf16 line or the head's call")
 
 
@@ -125,46 +101,16 @@ def main():
             for revision in args.revisions:
                 run_dir = os.path.join(out, "runs", f"{algo}_{revision}_{batch}")
                 shutil.rmtree(run_dir, ignore_errors=True)
-                command = (
-                    [
-                        "torchrun",
-                        "--nproc_per_node",
-                        "1",
-                        os.path.join(out, f"ours_{revision}", f"{algo}.py"),
-                        "--model_name_or_path",
-                        model,
-                        "--dataset_name",
-                        f"{data}/{file}.jsonl",
-                        "--output_dir",
-                        run_dir,
-                        "--learning_rate",
-                        "1e-5",
-                        "--lr_scheduler_type",
-                        "constant",
-                    ]
-                    + common
-                    + ours
-                )
+                command = ["torchrun", "--nproc_per_node", "1", os.path.join(out, f"ours_{revision}", f"{algo}.py"),
+                           "--model_name_or_path", model, "--dataset_name", f"{data}/{file}.jsonl", "--output_dir",
+                           run_dir, "--learning_rate", "1e-5", "--lr_scheduler_type", "constant", *common, *ours]
                 rows.append((algo, batch, f"ours {revision}", peak_gib(command, run_dir + ".log")))
                 print(*rows[-1], flush=True)
             if args.trl:
                 trl_dir = os.path.join(out, "runs", f"{algo}_trl_{batch}")
-                command = [
-                    os.environ.get("BENCH_TRL_PYTHON", sys.executable),
-                    "bench/trl_equivalent.py",
-                    algo,
-                    "--model",
-                    model,
-                    "--data",
-                    f"{data}/{file}.jsonl",
-                    "--output_dir",
-                    trl_dir,
-                    "--batch",
-                    str(batch),
-                    "--steps",
-                    "4",
-                    "--bf16",
-                ] + theirs
+                command = [os.environ.get("BENCH_TRL_PYTHON", sys.executable), "bench/trl_equivalent.py", algo,
+                           "--model", model, "--data", f"{data}/{file}.jsonl", "--output_dir", trl_dir, "--batch",
+                           str(batch), "--steps", "4", "--bf16", *theirs]
                 rows.append((algo, batch, "TRL", peak_gib(command, trl_dir + ".log")))
                 print(*rows[-1], flush=True)
     print("| script | batch | run | peak GiB |\n|---|---|---|---|")
