@@ -26,14 +26,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-EDITS = [  # (pattern, replacement): bf16 compute on CPU; the head's input gathered by an index tensor (a copy)
-    ('bf16 = args.bf16 and device.type == "cuda"', "bf16 = args.bf16"),  # da2f1e2
-    ('if args.bf16 and device.type == "cuda" else {}', "if args.bf16 else {}"),  # the scripts since
-    ("logits_to_keep=completion_width + 1)", "logits_to_keep=torch.arange(-completion_width - 1, 0))"),
-    ("output_hidden_states=True, logits_to_keep=1)", "output_hidden_states=True, logits_to_keep=torch.tensor([-1]))"),
-    ("logits_to_keep=1).logits", "logits_to_keep=torch.tensor([-1])).logits"),
-]
-BF16_EDITS, HEAD_EDITS = {pattern for pattern, _ in EDITS[:2]}, {pattern for pattern, _ in EDITS[2:]}
+# (pattern, replacement) in the scripts of da2f1e2 or of today: bf16 compute on CPU, and the model's own head given an
+# index tensor (a copy) instead of a strided slice
+BF16_EDITS = [('bf16 = args.bf16 and device.type == "cuda"', "bf16 = args.bf16"),
+              ('if args.bf16 and device.type == "cuda" else {}', "if args.bf16 else {}")]
+HEAD_EDITS = [("logits_to_keep=completion_width + 1)", "logits_to_keep=torch.arange(-completion_width - 1, 0))"),
+              ("output_hidden_states=True, logits_to_keep=1)",
+               "output_hidden_states=True, logits_to_keep=torch.tensor([-1]))"),
+              ("logits_to_keep=1).logits", "logits_to_keep=torch.tensor([-1])).logits")]
 RUNS = {  # algo: (data file, our arguments, TRL's arguments beyond batch and steps)
     "sft": ("sft", ["--max_prompt_length", "128", "--max_completion_length", "384"], ["--max_length", "512"]),
     "dpo": ("preference", ["--max_prompt_length", "128", "--max_completion_length", "384", "--beta", "0.1",
@@ -48,18 +48,18 @@ ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "2", "HF_HUB_OFFLIN
 
 
 def copy_scripts(revision, folder):
-    """The revision's scripts with EDITS applied, each edit required to apply somewhere."""
+    """The revision's scripts with the edits applied: a bf16 edit and a head edit must each apply somewhere."""
     os.makedirs(folder, exist_ok=True)
     used = set()
     for name in ("sft.py", "dpo.py", "grpo.py", "adam_tf.py"):
         git = ["git", "show", f"{revision}:{name}"]
         source = subprocess.run(git, cwd=ROOT, capture_output=True, text=True, check=True).stdout
-        for pattern, replacement in EDITS:
+        for pattern, replacement in BF16_EDITS + HEAD_EDITS:
             if pattern in source:
                 source, used = source.replace(pattern, replacement), used | {pattern}
         open(os.path.join(folder, name), "w").write(source)
-    if not used & BF16_EDITS or not used & HEAD_EDITS:
-        raise SystemExit(f"{revision}: EDITS found nothing to change in the bf16 line or the head's call")
+    if not used & {p for p, _ in BF16_EDITS} or not used & {p for p, _ in HEAD_EDITS}:
+        raise SystemExit(f"{revision}: the edits found nothing to change in the bf16 line or the head's call")
 
 
 def peak_gib(command, log):
