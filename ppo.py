@@ -2,13 +2,10 @@
 reward model, penalise each token's KL to the reference model, and train the policy with PPO's clipped surrogate and a
 value model with a clipped value loss, on advantages from GAE. Papers: arXiv:1909.08593 (Ziegler et al.,
 lm-human-preferences), arXiv:1707.06347 (PPO), arXiv:2403.17031 (the N+ implementation details of RLHF with PPO).
-What differs from those: (1) the loss is divided by the completion tokens of the whole global mini-batch, so the split
-into processes and micro-batches does not change the update; (2) rollouts are seeded by (seed, rollout, generation
-chunk), so a run samples the same completions on any number of processes and resumes bit for bit; (3) the value model
-is a separate model (initialised from the reward model), trained by the same optimizer.
-Run:  torchrun --nproc_per_node 2 ppo.py --model_name_or_path runs/sft --reward_model_path runs/reward \
-          --dataset_name toy/prompts --output_dir runs/ppo --max_completion_length 12 --optimizer adam_tf \
-          --adam_epsilon 1e-5
+What differs from those: (1) the loss is divided by the global mini-batch's completion tokens, whatever its split;
+(2) rollouts are seeded by (seed, rollout, generation chunk): the same on any number of processes, and on resume;
+(3) the value model is a separate model (from the reward model), trained by the same optimizer.
+Run (the toy task's command: README):
       torchrun --nproc_per_node 8 ppo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
           --reward_model_path runs/reward_qwen --dataset_name trl-lib/tldr --max_completion_length 53 \
           --optimizer adam_tf --adam_epsilon 1e-5 --track
@@ -17,32 +14,30 @@ Run:  torchrun --nproc_per_node 2 ppo.py --model_name_or_path runs/sft --reward_
 import collections
 import contextlib
 import fcntl
+import glob
 import json
 import logging
 import math
 import os
 import pickle
-import random
 import resource
 import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass
-from typing import Literal, Optional
+from dataclasses import dataclass, fields
+from typing import Annotated, Literal, Optional, TypeVar, get_args
 
 import datasets
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import transformers
 import tyro
 from safetensors import SafetensorError
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
@@ -51,143 +46,143 @@ from tyro.conf import Suppress
 
 from adam_tf import AdamTF
 
+# the numeric flags' rules, as their types in Args (check_arguments)
+AtLeast1 = Annotated[int, ("at least 1", lambda v: v >= 1)]
+OffOrAtLeast1 = Annotated[int, ("-1 (off) or at least 1", lambda v: v == -1 or v >= 1)]
+Positive = Annotated[float, ("above 0", lambda v: v > 0)]
+NonNegative = Annotated[float, ("0 or more", lambda v: v >= 0)]
+Fraction = Annotated[float, ("in [0, 1]", lambda v: 0 <= v <= 1)]
+RESUMABLE = "may change on resume: where and how often it logs, how the global batch is split"
+Resumable = Annotated[TypeVar("T"), RESUMABLE]
 
 @dataclass
 class Args:
     # common arguments: the same in every script
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the experiment's name (wandb's run name starts with it)"""
     seed: int = 1
     """seed of data order, initialisation and sampling"""
-    track: bool = False
+    track: Resumable[bool] = False
     """log to Weights and Biases"""
-    wandb_project_name: str = "rlhf-scripts"
+    wandb_project_name: Resumable[str] = "rlhf-scripts"
     """the wandb project"""
-    wandb_entity: Optional[str] = None
+    wandb_entity: Resumable[Optional[str]] = None
     """the wandb entity (team)"""
-    output_dir: str = "runs/ppo"
+    output_dir: Resumable[str] = "runs/ppo"
     """the Hugging Face model folder, with checkpoints/ and metrics.jsonl"""
-    overwrite_output_dir: bool = False
-    """replace a previous run in output_dir"""
     model_name_or_path: str = "runs/sft"
     """a hub id or a local model folder: the SFT policy (and reference)"""
     dataset_name: str = "toy/prompts"
     """a hub id, a local .json/.jsonl/.parquet/.csv file (train split), or a folder of them"""
     dataset_train_split: str = "train"
-    """the split to train on, or a data file (a path, or a file of the folder by its name)"""
+    """the split to train on (or, in a folder, a data file by its name)"""
     dataset_test_split: str = "test"
     """the split to evaluate on, likewise"""
-    max_steps: int = -1
+    max_steps: OffOrAtLeast1 = -1
     """optimizer steps; -1: num_train_epochs epochs"""
-    num_train_epochs: int = 1
+    num_train_epochs: AtLeast1 = 1
     """passes over the training prompts (when max_steps is -1)"""
-    learning_rate: float = 1e-6
+    learning_rate: Positive = 1e-6
     """peak learning rate"""
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
     """the schedule after warmup (transformers.get_scheduler)"""
-    warmup_ratio: float = 0.0
+    warmup_ratio: Fraction = 0.0
     """fraction of the steps warming up linearly from 0"""
-    per_device_train_batch_size: int = 8
+    per_device_train_batch_size: Resumable[AtLeast1] = 8
     """micro-batch: completions per process per forward/backward"""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: Resumable[AtLeast1] = 1
     """micro-batches per optimizer step on each process"""
-    per_device_eval_batch_size: int = 32
+    per_device_eval_batch_size: Resumable[AtLeast1] = 32
     """test prompts per process per greedy generation"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: NonNegative = 1.0
     """clip the global gradient norm (0: off)"""
     optimizer: Literal["adamw", "adam_tf"] = "adamw"
     """adam_tf: TensorFlow-style Adam (adam_tf.py)"""
-    adam_epsilon: float = 1e-8
+    adam_epsilon: Positive = 1e-8
     """Adam's epsilon"""
-    weight_decay: float = 0.0
+    weight_decay: NonNegative = 0.0
     """decoupled weight decay (adamw only)"""
     bf16: bool = True
     """bf16 compute on GPU, fp32 parameters"""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: Resumable[bool] = False
     """recompute activations in the backward to save memory"""
-    cpu_offload: bool = False
+    cpu_offload: Resumable[bool] = False
     """parameters, gradients and optimizer state in CPU memory (FSDP2's CPUOffloadPolicy)"""
-    reshard_after_forward: bool = True
+    reshard_after_forward: Resumable[bool] = True
     """free gathered parameters after each layer's forward (False: faster, more memory)"""
-    log_every: int = 10
+    log_every: Resumable[AtLeast1] = 10
     """log every this many optimizer steps"""
-    eval_every: int = -1
+    eval_every: Resumable[OffOrAtLeast1] = -1
     """evaluate every this many steps (-1: at the end)"""
-    save_every: int = -1
+    save_every: Resumable[OffOrAtLeast1] = -1
     """checkpoint every this many steps (-1: never)"""
-    resume_from: Optional[str] = None
+    resume_from: Resumable[Optional[str]] = None
     """a checkpoint (output_dir/checkpoints/step_N) to continue; auto: the latest, if any"""
-    keep_last: int = -1
-    """keep only the newest N checkpoints (-1: all)"""
-    skip_nonfinite: int = 0
-    """skip up to N steps with a NaN or inf loss or gradient norm (0: the first stops the run)"""
     trust_remote_code: bool = False
     """run model and tokenizer code from the hub"""
 
     # computed at start, not flags
-    world_size: Suppress[Optional[int]] = None
+    world_size: Resumable[Suppress[Optional[int]]] = None
     """(computed) processes"""
-    local_batch_size: Suppress[Optional[int]] = None
+    local_batch_size: Resumable[Suppress[Optional[int]]] = None
     """(computed) per_device_train_batch_size x gradient_accumulation_steps"""
     batch_size: Suppress[Optional[int]] = None
     """(computed) world_size x local_batch_size: an optimizer step's global batch"""
     num_training_steps: Suppress[Optional[int]] = None
     """(computed) the run's optimizer steps"""
-    rollout_batch_size: Suppress[Optional[int]] = None
-    """(computed) batch_size x num_mini_batches: the prompts of a rollout, one completion each"""
+    rollout_batch_size: Resumable[Suppress[Optional[int]]] = None
+    """(computed) batch_size x num_mini_batches: a rollout's prompts, one completion each"""
 
     # RL: rollouts and rewards
-    max_prompt_length: int = 512
+    max_prompt_length: AtLeast1 = 512
     """longer prompts (in tokens) are dropped, and counted"""
-    max_completion_length: int = 256
+    max_completion_length: AtLeast1 = 256
     """new tokens per completion (one without the stop token by then is truncated)"""
-    num_ppo_epochs: int = 4
-    """passes over each rollout"""
-    num_mini_batches: int = 1
+    num_ppo_epochs: AtLeast1 = 4
+    """passes over a rollout"""
+    num_mini_batches: AtLeast1 = 1
     """optimizer steps per pass over a rollout"""
-    local_rollout_forward_batch_size: int = 64
-    """completions per process per generation call and per forward pass without gradients"""
-    temperature: float = 0.7
-    """sampling temperature (the log-probs are those of logits / temperature)"""
-    cache_implementation: Literal["dynamic", "static"] = "dynamic"
-    """generation's KV cache (static: compiled on a GPU, faster after the first rollout)"""
+    local_rollout_forward_batch_size: Resumable[AtLeast1] = 64
+    """completions per process per generation call and per no-grad forward pass"""
+    temperature: Positive = 0.7
+    """sampling temperature (log-probs from logits / temperature)"""
+    cache_implementation: Resumable[Literal["dynamic", "static"]] = "dynamic"
+    """generation's KV cache (static: compiled on a GPU, faster from the second rollout)"""
     prompt_column: str = "prompt"
     """the dataset column of the prompts"""
     reward_model_path: str = "runs/reward"
     """the reward model folder written by reward.py (the policy's tokenizer)"""
     value_model_path: Optional[str] = None
-    """the value model's starting point, a sequence classification folder (default: the reward model)"""
+    """the value model's starting point (default: the reward model)"""
     stop_token: Optional[str] = None
     """the token that ends a completion (default: EOS)"""
-    missing_eos_penalty: float = 0.0
+    missing_eos_penalty: NonNegative = 0.0
     """subtracted from the score of a completion without the stop token"""
 
     # PPO
-    kl_coef: float = 0.05
-    """weight of the per-token KL penalty in the reward (the initial one with kl_target)"""
+    kl_coef: NonNegative = 0.05
+    """weight of the per-token KL penalty in the reward (initial, with kl_target)"""
     kl_estimator: Literal["k1", "k2", "k3", "k1_ratio"] = "k1"
     """the per-token KL estimate in the reward (kl_estimate; k1 as in lm-human-preferences)"""
-    kl_target: Optional[float] = None
-    """adaptive KL controller (lm-human-preferences): steer kl_coef towards this objective/kl; None: fixed"""
-    kl_horizon: int = 10000
+    kl_target: Optional[Positive] = None
+    """adaptive KL controller (lm-human-preferences): kl_coef steered to this objective/kl; None: fixed"""
+    kl_horizon: AtLeast1 = 10000
     """the adaptive controller's horizon in completions: how fast kl_coef moves"""
     whiten_rewards: bool = False
-    """scale the per-token rewards to unit variance over the rollout before GAE (not centred)"""
-    gamma: float = 1.0
+    """per-token rewards scaled to unit variance over the rollout before GAE (not centred)"""
+    gamma: Fraction = 1.0
     """discount factor"""
-    lam: float = 0.95
+    lam: Fraction = 0.95
     """GAE lambda"""
-    cliprange: float = 0.2
+    cliprange: NonNegative = 0.2
     """clip range of the policy ratio pi / pi_old"""
-    cliprange_value: float = 0.2
+    cliprange_value: NonNegative = 0.2
     """clip range of the value prediction around the rollout's value"""
-    vf_coef: float = 0.1
+    vf_coef: NonNegative = 0.1
     """weight of the value loss in the total loss"""
 
 
 def token_values(model, input_ids, attention_mask, completion_width):
     """The value model's V(s_t) for each of the last `completion_width` tokens: its score at the position before
-    token t (score_bias included: a value model copied from a reward model starts as its score)."""
+    token t (score_bias included: a copy of the reward model starts as its score)."""
     return head_scores(model, input_ids, attention_mask)[:, -completion_width - 1 : -1]
 
 
@@ -219,15 +214,15 @@ def masked_whiten(x, mask, shift_mean=True):
 
 
 def penalised_scores(scores, completions, stop_token_id, missing_eos_penalty):
-    """The reward model's scores, minus missing_eos_penalty for each completion that does not end with the stop token
-    (generation ran out of tokens first). Returns them and which completions ended."""
+    """The reward model's scores, minus missing_eos_penalty for each completion not ending with the stop token
+    (cut short). Returns them and which completions ended."""
     ended = torch.tensor([c[-1] == stop_token_id for c in completions], device=scores.device)
     return scores - missing_eos_penalty * (~ended).float(), ended
 
 
 def token_rewards(scores, logps, ref_logps, mask, kl_coef, kl_estimator):
     """Eq. 2 of arXiv:1909.08593 per token: -kl_coef x the KL estimate at every completion token, plus the score at
-    the last real token (from the mask: right when pad == eos). Returns the rewards and the KL estimates."""
+    the last real token (from the mask, as pad may equal EOS). Returns the rewards and the KL estimates."""
     kl = kl_estimate(logps, ref_logps, logps, kl_estimator) * mask
     rewards = -kl_coef * kl
     rewards[torch.arange(len(scores), device=scores.device), last_token_index(mask)] += scores
@@ -236,7 +231,7 @@ def token_rewards(scores, logps, ref_logps, mask, kl_coef, kl_estimator):
 
 def gae(rewards, values, mask, gamma, lam):
     """Generalized advantage estimation (arXiv:1506.02438) over right-padded completions: rewards and values past the
-    end are 0, so the last real token bootstraps from 0. Returns the advantages and the returns (+ values)."""
+    end are 0 (the last real token bootstraps from 0). Returns the advantages and the returns (+ values)."""
     rewards, values = rewards * mask, values * mask
     advantages, last = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
@@ -248,15 +243,15 @@ def gae(rewards, values, mask, gamma, lam):
 
 def adapt_kl_coef(kl_coef, kl, num_samples, args):
     """lm-human-preferences' adaptive KL controller (Sec. 2.2 of arXiv:1909.08593): the error kl / target - 1,
-    clipped to +-0.2, moves kl_coef by a factor 1 + error x samples / horizon after each rollout."""
+    clipped to +-0.2, scales kl_coef by 1 + error x samples / horizon after each rollout."""
     error = max(min(kl / args.kl_target - 1, 0.2), -0.2)
     return kl_coef * (1 + error * num_samples / args.kl_horizon)
 
 
 def ppo_loss(logps, old_logps, values, old_values, advantages, returns, mask, normaliser, args):
     """PPO's clipped policy loss (Eq. 7 of arXiv:1707.06347) + vf_coef x the clipped value loss, per token, summed
-    over `mask` and divided by `normaliser` (the global mini-batch's completion tokens). Returns the loss and, per
-    token, the ratio, the policy loss, the value loss and which of them were clipped."""
+    over `mask` / `normaliser` (the global mini-batch's completion tokens). Returns the loss and, per token, the
+    ratio, the policy loss, the value loss and which of them were clipped."""
     ratio = torch.exp(logps - old_logps)
     policy_losses = -advantages * ratio, -advantages * ratio.clamp(1 - args.cliprange, 1 + args.cliprange)
     values_clipped = old_values + (values - old_values).clamp(-args.cliprange_value, args.cliprange_value)
@@ -285,8 +280,8 @@ def evaluate(model, reward_model, test, stop_token_id, pad_token_id, args):
 
 @torch.no_grad()
 def score_rollout(models, prompts, completions, pad_token_id, args):
-    """The reward-model scores of a rollout's completions, and the policy's and reference's log-probs and the values
-    of their tokens: each rank its share in micro-batches, summed over ranks."""
+    """The reward-model scores of a rollout's completions, the policy's and reference's log-probs and the values of
+    their tokens: each rank its share, summed over ranks."""
     n, width = len(prompts), args.max_completion_length
     device = next(models["policy"].parameters()).device
     scores = torch.zeros(n, device=device)
@@ -305,9 +300,8 @@ def score_rollout(models, prompts, completions, pad_token_id, args):
 
 
 def accumulate_gradients(models, rollout, mini, args, sums, extremes, pad_token_id):
-    """One optimizer step's gradients from this rank's micro-batches of the global mini-batch `mini` (each loss over
-    the mini-batch's completion tokens), statistics summed into `sums`, the ratio's max and -min kept in `extremes`.
-    Returns this rank's part of the loss."""
+    """One optimizer step's gradients from this rank's micro-batches of the global mini-batch `mini`, statistics
+    summed into `sums`, the ratio's max and -min kept in `extremes`. Returns this rank's part of the loss."""
     device = next(models["policy"].parameters()).device
     step_loss, normaliser = 0.0, rollout["mask"][mini].sum()
     for micro in micro_batches(mini, args):
@@ -323,7 +317,7 @@ def accumulate_gradients(models, rollout, mini, args, sums, extremes, pad_token_
             logps, old, values, old_values, advantages, returns, mask, normaliser, args)
         loss.backward()
         step_loss += loss.detach()
-        with torch.no_grad():  # sums over the tokens in the loss, under their metric names (window_metrics)
+        with torch.no_grad():  # sums over the loss tokens, by metric name (window_metrics)
             token_stats = {"loss/policy_avg": policy_loss, "loss/value_avg": value_loss, "val/ratio": ratio,
                            "policy/approxkl_avg": 0.5 * (logps - old) ** 2, "policy/clipfrac_avg": clipped,
                            "val/clipfrac_avg": value_clipped, "ratio_squared": ratio**2, "objective/entropy": entropy}
@@ -338,8 +332,8 @@ def accumulate_gradients(models, rollout, mini, args, sums, extremes, pad_token_
 
 
 def window_metrics(w, steps, seconds, args):
-    """The metrics of the optimizer steps since the last log line, from their sums over ranks: the token statistics
-    (accumulate_gradients) per token in the loss, the rest (loss, rollouts') per step."""
+    """The metrics of the steps since the last log line, from their sums over ranks: the token statistics
+    (accumulate_gradients) per token in the loss, the rest per step."""
     tokens, per_token = max(w.pop("tokens"), 1.0), ("loss/", "policy/", "val/", "objective/entropy", "ratio_")
     metrics = {"tokens_per_second": w.pop("processed") / seconds}
     metrics |= {name: value / (tokens if name.startswith(per_token) else steps) for name, value in w.items()}
@@ -348,7 +342,7 @@ def window_metrics(w, steps, seconds, args):
 
 
 def rollout_metrics(prompts, completions, scores, kl, kl_k3, lengths, ended, kl_coef, tokenizer):
-    """The rollout's statistics under their metric names, and its first four completions with their scores."""
+    """The rollout's statistics by metric name, and its first four completions, scored."""
     non_score_reward = (-kl_coef * kl).sum(1).mean()
     stats = {"objective/scores": scores.mean(), "objective/kl_coef": kl_coef, "objective/kl": kl_k3.sum(1).mean(),
              "objective/non_score_reward": non_score_reward, "objective/rlhf_reward": scores.mean() + non_score_reward,
@@ -360,7 +354,7 @@ def rollout_metrics(prompts, completions, scores, kl, kl_k3, lengths, ended, kl_
 
 
 def main(args):
-    # 1. distributed init, computed batch sizes
+    # 1. distributed init, batch sizes
     rank, world_size, device = setup(args)
     args.rollout_batch_size = N = args.batch_size * args.num_mini_batches
 
@@ -371,7 +365,7 @@ def main(args):
         raise ScriptError(f"--stop_token {args.stop_token!r} is not one token of the tokenizer")
     num_rollouts, steps_per_rollout = rollouts_of(len(train["prompt"]), 1, args.num_ppo_epochs, args, dropped)
 
-    # 3. models + FSDP2: the policy and the value model (trained), then the frozen reference and reward model
+    # 3. models + FSDP2: the policy and value model (trained), then the frozen reference and reward model
     value_path, value_flag = ((args.value_model_path, "--value_model_path") if args.value_model_path
                               else (args.reward_model_path, "--reward_model_path"))
     policy_path, policy_flag = args.model_name_or_path, "--model_name_or_path"
@@ -382,28 +376,29 @@ def main(args):
     model = models["policy"]
     trained = torch.nn.ModuleDict({"policy": model, "value": models["value"]})  # one optimizer, one checkpoint
 
-    # 4. optimizer and LR schedule, its total fixed now (or both restored by --resume_from, with the KL controller)
+    # 4. optimizer and LR schedule (or both restored by --resume_from, with the KL controller)
     optimizer, scheduler, start_step, state = make_optimizer(trained, args)
     state.setdefault("kl_coef", args.kl_coef)  # the adaptive controller's value for the next rollout
     metrics_path, progress = open_metrics(args, start_step)
 
-    # 5. training loop: a rollout, then num_ppo_epochs x num_mini_batches optimizer steps on it
+    # 5. training loop: a rollout, then num_ppo_epochs x num_mini_batches optimizer steps
     trained.train()
     sums = collections.defaultdict(lambda: torch.zeros((), device=device))  # this rank's, since the last log line
     logged, window_start = start_step, time.time()
-    extremes = torch.full((2,), -math.inf, device=device)  # the ratio's max and -min over the window's loss tokens
+    extremes = torch.full((2,), -math.inf, device=device)  # the ratio's max and -min over the window
     for rollout_index in range(start_step // steps_per_rollout, num_rollouts):
         rollout_start = time.time()
         # ALGO LOGIC: 1. the rollout's prompts
         prompts = [train["prompt"][row] for row in global_batch(rollout_index, len(train["prompt"]), N, args.seed)]
 
-        # 2. sample the completions (seeded by the rollout and the chunk, the parameters gathered once)
+        # 2. sample the completions (seeded by rollout and chunk; the parameters gathered once)
         completions, lengths = sample_rollout(model, prompts, rollout_index, args, stop_token_id, pad_token_id)
 
-        # 3. scores, the policy's and the reference's log-probs and the values of the sampled tokens
+        # 3. scores; the policy's and reference's log-probs and the values of the sampled tokens
         scores, logps, ref_logps, values = score_rollout(models, prompts, completions, pad_token_id, args)
+        check_rewards(scores[:, None], [f"--reward_model_path {args.reward_model_path}"])
 
-        # 4. rewards: the KL penalty at every token, the (penalised) score at the last one; GAE; whitened advantages
+        # 4. rewards: the KL penalty at every token, the (penalised) score at the last; GAE; whitened advantages
         mask = (torch.arange(args.max_completion_length, device=device) < lengths[:, None]).float()
         scores, ended = penalised_scores(scores, completions, stop_token_id, args.missing_eos_penalty)
         rewards, kl = token_rewards(scores, logps, ref_logps, mask, state["kl_coef"], args.kl_estimator)
@@ -424,10 +419,10 @@ def main(args):
             update_start = time.time()
             step_loss = accumulate_gradients(models, rollout, mini, args, sums, extremes, pad_token_id)
             step = rollout_index * steps_per_rollout + k + 1
-            lr, grad_norm, stop = optimizer_step(trained, optimizer, scheduler, step_loss, step, args, state)
+            lr, grad_norm, stop = optimizer_step(trained, optimizer, scheduler, step_loss, step, args)
             progress.update(1)
             stats["time/update"] = time.time() - update_start
-            for name, value in stats.items():  # the same on every rank: each adds its share of the sum over ranks
+            for name, value in stats.items():  # the same on every rank: each adds its share of the sum
                 sums[name] += value / world_size
 
             if is_due(step, args.log_every, args) or is_due(step, args.eval_every, args):
@@ -442,17 +437,17 @@ def main(args):
                 sums, logged, window_start = collections.defaultdict(sums.default_factory), step, time.time()
             if (args.save_every > 0 and step % args.save_every == 0) or (stop and step % steps_per_rollout == 0):
                 folder = save_checkpoint(trained, optimizer, scheduler, step, args, state)
-                if stop:  # a SIGTERM or SIGINT during this rollout: its checkpoint is written
+                if stop:  # a SIGTERM or SIGINT in this rollout: its checkpoint is written
                     leave_after_signal(folder)
 
-    # 6. save the policy's Hugging Face folder (the value model is a training aid); report the peak memory
+    # 6. save the policy's Hugging Face folder (the value model is a training aid)
     finish(model, tokenizer, args, device)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Infrastructure: identical in every script that has it (tests/test_consistency.py). Skip it on a first read.
 def setup(args):
-    """Distributed init (one process under plain `python`), the guards, batch sizes, seeds."""
+    """Distributed init (one process under plain `python`), the guards, batch sizes, seed."""
     gpu, alone = torch.cuda.is_available(), {"store": dist.HashStore(), "rank": 0, "world_size": 1}
     dist.init_process_group("nccl" if gpu else "gloo", **({} if "RANK" in os.environ else alone))
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -466,14 +461,13 @@ def setup(args):
     args.world_size = world_size
     args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.batch_size = args.local_batch_size * world_size
-    random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)  # dropout (sft.py leaves it on)
     return rank, world_size, device
 
 
 def load_data(args, tokenize):
-    """The tokenizer, its pad id (EOS if none: masks come from lengths), the train and test splits tokenised,
-    whole on every rank, and the rows dropped."""
+    """The tokenizer, its pad id (EOS if none: masks come from lengths), the splits tokenised, whole on every
+    rank, and the rows dropped."""
     tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
     check_tokenizer(tokenizer, args)
     pad_token_id, splits = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id, {}
@@ -484,6 +478,8 @@ def load_data(args, tokenize):
             splits[split] = (*tokenize(dataset, tokenizer, args), len(dataset))
     check_splits(args, tokenizer, {split: data for split, (data, _, _) in splits.items()})
     (train, dropped, size), test = splits[args.dataset_train_split], splits.get(args.dataset_test_split, [None])[0]
+    if not train["prompt"]:
+        raise ScriptError(f"all {size} training rows were dropped ({dropped}): fix them, or the limit dropping them")
     if dist.get_rank() == 0:
         print(f"train: {len(train['prompt'])} of {size} rows kept; dropped: {dropped}; eval: "
               + (f"{len(test['prompt'])} rows" if test else f"no split {args.dataset_test_split!r}"))
@@ -495,16 +491,16 @@ DATA_EXTENSIONS = tuple(kind + packing for kind in (".json", ".jsonl", ".parquet
 
 
 def load_split(name, split):
-    """A split of a hub dataset, folder or file (its train split), or None; a split may be a file."""
-    check_local_path(name, "dataset")
-    if split.endswith(DATA_EXTENSIONS) and os.path.isfile(split):
-        return load_file(split)
+    """A split of a hub dataset, folder or file (its train split), or None; in a folder, a split may be a file."""
+    check_local_path(name, "--dataset_name")
     if os.path.isfile(name):
         return load_file(name) if split == "train" else None
     if os.path.isfile(os.path.join(name, "dataset_dict.json")):
         return datasets.load_from_disk(name).get(split)
     files = {}
     if os.path.isdir(name):  # the files of each split, as datasets finds them
+        if not any(f.endswith(DATA_EXTENSIONS) for f in glob.glob(f"{name}/**/*", recursive=True)):
+            raise ScriptError(f"--dataset_name {name!r}: a folder without .json, .jsonl, .parquet or .csv files")
         files = {str(k): list(v) for k, v in datasets.load_dataset_builder(name).config.data_files.items()}
         check_split_files(name, files)
     if files and split not in files:
@@ -519,8 +515,8 @@ def load_split(name, split):
         names = [os.path.basename(f) for f in files.get(split, [])]
         raise ScriptError(f"dataset {name!r}, split {split!r} {names} does not load ({e.__cause__ or e}): name one "
                           "file as the split (its name without extension)") from e
-    except FileNotFoundError as e:
-        raise ScriptError(f"dataset {name!r}: no such file or folder, nor on the hub ({e})") from e
+    except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as e:  # offline, not found
+        raise ScriptError(f"--dataset_name {name!r}: not here, and the hub says: {e}") from e
 
 
 def load_file(path):
@@ -535,13 +531,13 @@ def load_file(path):
 
 
 def tokenize_prompts(dataset, tokenizer, args):
-    """Prompts (strings, or messages with the generation prompt) and the verifier's answers;
-    empty and over-long prompts dropped and counted."""
+    """Prompts (strings, or messages with the generation prompt) and the verifier's answers; empty and over-long
+    prompts dropped and counted."""
     prompts, answers = args.prompt_column, getattr(args, "reward_fn", None) and args.answer_column
     if prompts not in dataset.column_names or (answers and answers not in dataset.column_names):
         needs = f"a {prompts!r} column" + (f" and an {answers!r} column" if answers else "")
-        raise ScriptError(f"dataset {args.dataset_name!r} has columns {dataset.column_names}: it needs {needs} (see "
-                          "--prompt_column, --answer_column)")
+        raise ScriptError(f"dataset {args.dataset_name!r} has columns {dataset.column_names}: it needs {needs} "
+                          "(--prompt_column, --answer_column)")
     data, dropped = {"prompt": [], "answer": []}, {"empty prompt": 0, "prompt too long": 0}
     for prompt, answer in zip(dataset[prompts], dataset[answers] if answers else [None] * len(dataset)):
         if isinstance(prompt, str):
@@ -559,12 +555,11 @@ def tokenize_prompts(dataset, tokenizer, args):
 
 
 def rollouts_of(num_prompts, generations, passes, args, dropped):
-    """Set num_training_steps: rollouts of `passes` x num_mini_batches optimizer steps."""
+    """Set num_training_steps: rollouts of `passes` x num_mini_batches steps."""
     steps_per_rollout = passes * args.num_mini_batches
     for flag, value in (("--max_steps", args.max_steps), ("--save_every", args.save_every)):
         if value > 0 and value % steps_per_rollout:
-            raise ScriptError(f"{flag} {value}: must be a multiple of the {steps_per_rollout} optimizer steps of a "
-                              "rollout")
+            raise ScriptError(f"{flag} {value}: must be a multiple of a rollout's {steps_per_rollout} optimizer steps")
     prompts_per_rollout = args.rollout_batch_size // generations
     if num_prompts < prompts_per_rollout:
         raise ScriptError(f"{num_prompts} training prompts (dropped: {dropped}) cannot fill a rollout of "
@@ -603,15 +598,14 @@ def rank_micro_batches(num_rows, rank, world_size, size):
 
 
 def pad(sequences, value, side):
-    """Pad lists of ints to one width, on the left or the right."""
-    width = max(len(s) for s in sequences)
-    fill = [[value] * (width - len(s)) for s in sequences]
-    return torch.tensor([f + s if side == "left" else s + f for s, f in zip(sequences, fill)], dtype=torch.long)
+    """Lists of ints padded to one width, on the left or the right."""
+    tensors = [torch.tensor(s, dtype=torch.long) for s in sequences]
+    return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value, padding_side=side)
 
 
 def make_batch(prompts, completions, pad_token_id):
-    """[left-padded prompts | right-padded completions], masks from the lengths, never from pad_token_id
-    (EOS stays in the loss when pad == eos)."""
+    """[left-padded prompts | right-padded completions], masks from the lengths, never from pad_token_id (EOS stays
+    in the loss when pad == eos)."""
     input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
     completion_mask = pad([[1] * len(c) for c in completions], 0, "right")
     return input_ids, torch.cat([pad([[1] * len(p) for p in prompts], 0, "left"), completion_mask], 1), completion_mask
@@ -625,18 +619,21 @@ def batch_on(device, prompts, completions, rows, pad_token_id):
 
 def load_pretrained(auto_class, path, args, flag, **options):
     """auto_class.from_pretrained(path), refused naming `flag`. A model (fp32) is read by the first process alone,
-    the others build it on the meta device (shard_model gives them their shards); with the first's load report."""
+    the others build it on the meta device (shard_model sends their shards); with its load report."""
     check_local_path(path, flag, auto_class)
     if auto_class is AutoTokenizer:
         try:
             return AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
         except (OSError, ValueError) as e:
             raise loading_error(auto_class, path, flag, e) from e
-    model, report = None, [None, None]  # the first process's error, or its load report
+    model, report = None, [None, None]  # the first process's error and load report
     if dist.get_rank() == 0:
         try:
             model, report[1] = auto_class.from_pretrained(path, trust_remote_code=args.trust_remote_code,
-                                                          dtype=torch.float32, output_loading_info=True, **options)
+                                                          dtype=torch.float32, output_loading_info=True,
+                                                          ignore_mismatched_sizes=True, **options)
+            for name, found, built in sorted(report[1]["mismatched_keys"])[:1]:  # HF would re-initialise it
+                report[0] = ScriptError(f"{flag} {path!r}: {name} is {list(found)}; config.json makes {list(built)}")
         except (OSError, ValueError, SafetensorError) as e:
             report[0] = loading_error(auto_class, path, flag, e)
     dist.broadcast_object_list(report, src=0)
@@ -650,7 +647,7 @@ def load_pretrained(auto_class, path, args, flag, **options):
 
 
 def disable_dropout(model):
-    """Dropout off: the passes that compare log-probs must agree."""
+    """Dropout off: passes that compare log-probs must agree."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -660,13 +657,13 @@ def disable_dropout(model):
 
 
 def shard_model(model, args, device):
-    """FSDP2: each decoder layer, then the root; gradients summed (each loss is a global mean already). The first
-    process sends its weights one tensor at a time; each process keeps its shard."""
-    loaded = dict(model.named_parameters()) | dict(model.named_buffers())  # the first process's, read from disk
+    """FSDP2: each decoder layer, then the root; gradients summed (each loss is a global mean already); the first
+    process's weights broadcast, a tensor at a time, each process keeping its shard."""
+    loaded = model.state_dict() if dist.get_rank() == 0 else {}  # the first process's, read from disk
     if args.gradient_checkpointing:  # it acts in training mode only: not on frozen models
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if args.bf16 and device.type == "cuda" else {}
-    policies = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)),
+    policies = {"mesh": dist.init_device_mesh(device.type, (dist.get_world_size(),)),
                 "mp_policy": MixedPrecisionPolicy(**bf16),
                 "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()}
     for module in model.modules():
@@ -679,19 +676,14 @@ def shard_model(model, args, device):
             module.set_force_sum_reduction_for_comms(True)
     if dist.get_rank() > 0:  # built on the meta device: room for its shards, filled below
         model.to_empty(device="cpu" if args.cpu_offload else device)
-    with torch.no_grad():
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            full = loaded[name].to(device) if dist.get_rank() == 0 else torch.empty_like(loaded[name], device=device)
-            dist.broadcast(full, src=0)
-            if isinstance(tensor, DTensor):  # this process's shard of it
-                tensor, full = tensor.to_local(), distribute_tensor(full, tensor.device_mesh, tensor.placements,
-                                                                    src_data_rank=None).to_local()
-            tensor.copy_(full)
+    set_model_state_dict(model, loaded, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for buffer in model.buffers():  # not all are in a state dict (rotary inv_freq)
+        dist.broadcast(buffer, src=0)
     return model
 
 
 def load_model(auto_class, path, args, flag, device, frozen=False):
-    """A model sharded, dropout off; frozen (a reference, a reward model): no gradients."""
+    """A model sharded, dropout off; frozen (a reference or reward model): no gradients."""
     model, report = load_pretrained(auto_class, path, args, flag)
     check_weights(model, report, path, flag)
     model = disable_dropout(model)
@@ -699,7 +691,7 @@ def load_model(auto_class, path, args, flag, device, frozen=False):
 
 
 def load_reward_model(args, tokenizer, device):
-    """The frozen reward model; its tokenizer must be the policy's (it is fed the policy's ids)."""
+    """The frozen reward model; its tokenizer must be the policy's (it reads the policy's ids)."""
     path, flag = args.reward_model_path, "--reward_model_path"
     if load_pretrained(AutoTokenizer, path, args, flag).get_vocab() != tokenizer.get_vocab():
         raise ScriptError(f"{flag} {path}: its tokenizer is not the policy's")
@@ -707,10 +699,10 @@ def load_reward_model(args, tokenizer, device):
 
 
 def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
-    """Log-probs of the last `completion_width` tokens from logits / temperature (and entropies).
-    The model's head runs on the last position only; head_logprobs does the rest in chunks."""
+    """Log-probs of the last `completion_width` tokens from logits / temperature (and entropies). The model's
+    head runs on the last position only; head_logprobs does the rest in chunks."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
-    hidden = []  # the decoder's output (output_hidden_states would return views, which FSDP2 warns of)
+    hidden = []  # the decoder's output (output_hidden_states returns views, which FSDP2 warns of)
     hook = model.get_decoder().register_forward_hook(lambda module, inputs, output: hidden.append(output[0]))
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                    logits_to_keep=1).logits
@@ -719,30 +711,31 @@ def completion_logprobs(model, input_ids, attention_mask, completion_width, temp
     check_linear_head(model, head, hidden[0][:, -1], logits[:, -1])
     labels = input_ids[:, -completion_width:]
     hidden = hidden[0][:, -completion_width - 1 : -1].flatten(0, 1)  # the state at t predicts token t + 1
-    logprobs, entropy = head_logprobs(hidden, head.weight, head.bias, labels.flatten(), temperature)
-    return (logprobs.view(labels.shape), entropy.view(labels.shape)) if with_entropy else logprobs.view(labels.shape)
+    parts = head_logprobs(hidden, head.weight, head.bias, labels.flatten(), temperature, with_entropy)
+    return [part.view(labels.shape) for part in parts] if with_entropy else parts[0].view(labels.shape)
 
 
-def head_logprobs(hidden, weight, bias, labels, temperature, rows=512):
-    """log_softmax(head(hidden) / temperature) at `labels`, and entropies, `rows` at a time, recomputed in
+def head_logprobs(hidden, weight, bias, labels, temperature, with_entropy=False, rows=512):
+    """log_softmax(head(hidden) / temperature) at `labels` (and entropies), `rows` at a time, recomputed in
     the backward: autograd through all the (tokens, vocabulary) logits keeps four fp32 copies."""
-    chunks = [checkpoint(head_chunk, h, weight, bias, l, temperature, use_reentrant=False, preserve_rng_state=False)
-              for h, l in zip(hidden.split(rows), labels.split(rows))]
+    chunks = [checkpoint(head_chunk, h, weight, bias, l, temperature, with_entropy, use_reentrant=False,
+                         preserve_rng_state=False) for h, l in zip(hidden.split(rows), labels.split(rows))]
     return [torch.cat(parts) for parts in zip(*chunks)]
 
 
-def head_chunk(hidden, weight, bias, labels, temperature):
+def head_chunk(hidden, weight, bias, labels, temperature, with_entropy):
     log_softmax = (torch.nn.functional.linear(hidden, weight, bias).float() / temperature).log_softmax(-1)
-    return log_softmax.gather(-1, labels[:, None])[:, 0], -(log_softmax.exp() * log_softmax).sum(-1).detach()
+    logprobs = log_softmax.gather(-1, labels[:, None])[:, 0]
+    return (logprobs, -(log_softmax.exp() * log_softmax).sum(-1).detach()) if with_entropy else (logprobs,)
 
 
 def last_token_index(attention_mask):
-    """Each row's last real token, from the mask (not from pad, which may equal EOS)."""
+    """Each row's last real token, from the mask (pad may equal EOS)."""
     return (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(1)
 
 
 def head_scores(model, input_ids, attention_mask):
-    """A reward or value model's score at every position, plus the config's score_bias (see reward.py)."""
+    """A reward or value model's score at every position, plus its config's score_bias (reward.py)."""
     scores = []
     hook = model.score.register_forward_hook(lambda module, inputs, output: scores.append(output[..., 0].float()))
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
@@ -768,29 +761,28 @@ def make_optimizer(model, args):
                               args.num_training_steps)
     if args.resume_from:
         return optimizer, scheduler, *load_checkpoint(args.resume_from, model, optimizer, scheduler, args)
-    return optimizer, scheduler, 0, {"skipped": []}
+    return optimizer, scheduler, 0, {}
 
 
 def open_metrics(args, start_step):
-    """wandb, metrics.jsonl (kept up to a resumed step), a progress bar on a terminal only."""
+    """wandb, metrics.jsonl (kept up to a resumed step), a progress bar at a terminal only."""
     path, rank = os.path.join(args.output_dir, "metrics.jsonl"), dist.get_rank()
     if rank == 0:
         if args.track:
             import wandb
 
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), save_code=True,
-                       name=f"{args.exp_name}__{args.seed}__{int(time.time())}")
+                       name=f"{os.path.basename(sys.argv[0])}__{args.seed}__{int(time.time())}")
         old = [json.loads(line) for line in open(path)] if start_step > 0 and os.path.exists(path) else []
         with open(path, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in old if row["step"] <= start_step)
-    bar = tqdm(total=args.num_training_steps, initial=start_step, desc=args.exp_name,
-               disable=rank != 0 or not sys.stderr.isatty())
+    bar = tqdm(total=args.num_training_steps, initial=start_step, disable=rank != 0 or not sys.stderr.isatty())
     return path, bar
 
 
 @contextlib.contextmanager
 def unsharded(model, keep=False):
-    """Parameters gathered once, FSDP2's hooks set aside: generation's forwards are no collectives."""
+    """Parameters gathered once and FSDP2's hooks set aside: generation's forwards are no collectives."""
     fsdp_modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
     hooks = [(module._forward_pre_hooks, module._forward_hooks) for module in fsdp_modules]
     for module in fsdp_modules:
@@ -802,7 +794,7 @@ def unsharded(model, keep=False):
     finally:
         for module, (pre_hooks, post_hooks) in zip(fsdp_modules, hooks):
             module._forward_pre_hooks, module._forward_hooks = pre_hooks, post_hooks
-            if not keep:  # keep (--no-reshard_after_forward): still gathered for the next forward
+            if not keep:  # --no-reshard_after_forward: still gathered for the next forward
                 module.set_reshard_after_forward(module is not model, recurse=False)  # as shard_model left it
                 module.reshard()
 
@@ -816,13 +808,13 @@ def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_
         extra = -input_ids.shape[1] % 64
         input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad_token_id)
         attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0), value=0)
-    # the log-probs' distribution: no top_k or top_p (the folder's generation_config, HF's default top_k 50)
+    # the log-probs' distribution: no top_k or top_p (not the folder's generation_config, nor HF's top_k 50)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
     config = GenerationConfig(**(sampling or {"do_sample": False}), max_new_tokens=max_new_tokens,
                               eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                               cache_implementation=None if cache == "dynamic" else cache)
     folder_config, model.generation_config, was_training = model.generation_config, GenerationConfig(), model.training
-    model.eval()  # gradient checkpointing, in training mode, turns the KV cache off
+    model.eval()  # in training mode, gradient checkpointing turns the KV cache off
     try:  # unsharded: ranks need not keep step
         output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                 generation_config=config, synced_gpus=False)
@@ -834,8 +826,8 @@ def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_
 
 
 def sample_rollout(model, prompts, rollout, args, eos_token_id, pad_token_id):
-    """Completions in chunks round-robin over the ranks, each seeded by (seed, rollout, chunk): the
-    same on any number of processes and after a resume."""
+    """Completions in chunks round-robin over the ranks, each seeded by (seed, rollout, chunk): the same on any
+    number of processes, and on resume."""
     device, rank = next(model.parameters()).device, dist.get_rank()
     n, width, chunk_size = len(prompts), args.max_completion_length, args.local_rollout_forward_batch_size
     completion_ids = torch.zeros(n, width, dtype=torch.long, device=device)
@@ -855,7 +847,7 @@ def sample_rollout(model, prompts, rollout, args, eos_token_id, pad_token_id):
 
 
 def rollout_mini_batches(rollout, passes, args):
-    """`passes` passes over a rollout, each a fresh order cut into num_mini_batches."""
+    """`passes` passes over a rollout, each in a fresh order, cut into num_mini_batches."""
     for iteration in range(passes):
         seed = (args.seed * 100_003 + rollout) * 100_003 + iteration
         order = torch.randperm(args.rollout_batch_size, generator=torch.Generator().manual_seed(seed)).tolist()
@@ -863,13 +855,12 @@ def rollout_mini_batches(rollout, passes, args):
             yield order[k * args.batch_size : (k + 1) * args.batch_size]
 
 
-def optimizer_step(model, optimizer, scheduler, loss, step, args, state):
-    """Clip the gradient norm, update unless guard_step refuses, step the LR schedule once."""
+def optimizer_step(model, optimizer, scheduler, loss, step, args):
+    """Clip the gradient norm, update unless guard_step stops the run, step the LR schedule once."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    update, stop = guard_step(loss, grad_norm, step, args, state)
-    if update:
-        optimizer.step()
+    stop = guard_step(loss, grad_norm, step, args)
+    optimizer.step()
     lr = scheduler.get_last_lr()[0]
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -907,57 +898,37 @@ def log_metrics(metrics, path, args, progress, samples=None):
 
 
 def save_checkpoint(model, optimizer, scheduler, step, args, state):
-    """checkpoints/step_N: model and optimizer (DCP, sharded), each rank's scheduler, RNG and loop state;
-    written as step_N.tmp, renamed once whole (checkpoint.json lists each file's size)."""
+    """checkpoints/step_N: the arguments, each rank's scheduler, RNG and loop state, then model and optimizer
+    (DCP, sharded: its .metadata, written last, marks the checkpoint complete)."""
     rank, path = dist.get_rank(), os.path.join(args.output_dir, "checkpoints", f"step_{step}")
-    tmp = f"{path}.tmp"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
+        shutil.rmtree(path, ignore_errors=True)  # left by a crash, or a restarted run's old step
+        os.makedirs(path)
+        with open(f"{path}/checkpoint.json", "w") as f:
+            json.dump({"step": step, "args": vars(args)}, f, indent=1)
     dist.barrier()
+    rng = {"torch": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
+    torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state}, f"{path}/rank{rank}.pt")
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    try:
-        dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=tmp)
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        rng |= {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
-        torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state},
-                   f"{tmp}/rank{rank}.pt")
-        dist.barrier()
-        if rank == 0:
-            files = {name: os.path.getsize(f"{tmp}/{name}") for name in os.listdir(tmp)}
-            with open(f"{tmp}/checkpoint.json", "w") as f:
-                json.dump({"step": step, "args": vars(args), "files": files}, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            shutil.rmtree(path, ignore_errors=True)  # a restarted run overwrites its old step
-            os.replace(tmp, path)
-    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # DCP gathers every rank's errors
-        raise checkpoint_error(path, step, args, e) from e
-    for old in complete_checkpoints(args.output_dir)[: -args.keep_last] if args.keep_last > 0 and rank == 0 else []:
-        shutil.rmtree(old)
+    dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)
     dist.barrier()
     return path
-
-
-def complete_checkpoint(path):
-    """The manifest of a complete checkpoint folder, or None."""
-    try:
-        manifest = json.load(open(os.path.join(path, "checkpoint.json")))
-        sizes = all(os.path.getsize(os.path.join(path, name)) == size for name, size in manifest["files"].items())
-        return manifest if sizes and os.path.basename(os.path.normpath(path)) == f"step_{manifest['step']}" else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def complete_checkpoints(output_dir):
     """output_dir's complete checkpoints, oldest first."""
     root = os.path.join(output_dir, "checkpoints")
-    found = [(manifest["step"], os.path.join(root, name)) for name in (os.listdir(root) if os.path.isdir(root) else [])
-             if (manifest := complete_checkpoint(os.path.join(root, name)))]
-    return [path for _, path in sorted(found)]
+    found = [f"{root}/{name}" for name in (os.listdir(root) if os.path.isdir(root) else [])]
+    return sorted(filter(is_complete, found), key=lambda path: json.load(open(f"{path}/checkpoint.json"))["step"])
+
+
+def is_complete(path):
+    """A checkpoint folder with its arguments and DCP's .metadata."""
+    return os.path.exists(f"{path}/checkpoint.json") and os.path.exists(f"{path}/.metadata")
 
 
 def load_checkpoint(path, model, optimizer, scheduler, args):
-    """Restore a checkpoint of this run on any number of processes (DCP reshards)."""
+    """A checkpoint of this run restored on any number of processes (DCP reshards)."""
     manifest = check_checkpoint(path, args)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state["state"]}
@@ -971,7 +942,6 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
         group["lr"] = lr  # the next step's (param_groups are not in the checkpoint)
     if same:
         torch.set_rng_state(extra["rng"]["torch"])
-        random.setstate(extra["rng"]["python"])
         if "cuda" in extra["rng"]:
             torch.cuda.set_rng_state(extra["rng"]["cuda"])
     if dist.get_rank() == 0:
@@ -980,13 +950,11 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
 
 
 def finish(model, tokenizer, args, device):
-    """The full weights gathered (a collective) into a Hugging Face folder by rank 0; the peak memory
-    printed; wandb and the process group closed."""
+    """The full weights gathered (a collective) into a Hugging Face folder by rank 0; the peak memory printed;
+    wandb and the process group closed."""
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    first_name = {}  # tied parameters (embeddings = head) come back as copies: keep one
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if first_name.setdefault(id(param), name) != name:
-            state_dict.pop(name, None)
+    kept = dict(model.named_parameters()) | dict(model.named_buffers())  # a tied head comes back as a copy: not it
+    state_dict = {name: tensor for name, tensor in state_dict.items() if name in kept}
     if dist.get_rank() == 0:
         model.save_pretrained(args.output_dir, state_dict=state_dict)
         tokenizer.save_pretrained(args.output_dir)
@@ -1002,8 +970,6 @@ def finish(model, tokenizer, args, device):
             wandb.finish()
     dist.barrier()  # no rank tears the group down while another still communicates
     dist.destroy_process_group()
-    while OUTPUT_DIR_LOCK:  # the folder is free for the next run
-        OUTPUT_DIR_LOCK.pop().close()
 
 
 # Guards: what only refuses bad input or protects a run, each reached by one call from the plumbing or main.
@@ -1012,11 +978,17 @@ class ScriptError(ValueError):
 
 
 def guard_run(args, auto):
-    """Errors as one line, signals as a checkpoint, the arguments checked, output_dir claimed."""
+    """Errors as one line, signals as a checkpoint, library bars and logs at a terminal only, arguments checked,
+    output_dir claimed."""
     sys.excepthook = report_error
     signal.signal(signal.SIGTERM, request_stop)  # preemption: torchrun forwards it to every process
     signal.signal(signal.SIGINT, request_stop)
     logging.getLogger("transformers.modeling_utils").addFilter(lambda record: "LOAD REPORT" not in str(record.msg))
+    if dist.get_rank() > 0 or not sys.stderr.isatty():  # a log file: the metric lines and refusals alone
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
+        logging.getLogger("datasets").setLevel(logging.CRITICAL)  # its errors: named by ours
+        logging.getLogger("transformers").setLevel(logging.ERROR)
     check_arguments(args)
     claim_output_dir(args, auto)
 
@@ -1032,26 +1004,14 @@ def report_error(kind, error, traceback):
     os._exit(2)
 
 
-# (flags, what they must be, the check)
-ARGUMENT_RULES = [
-    (["num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size",
-      "log_every", "max_prompt_length", "max_completion_length", "num_mini_batches", "num_iterations", "num_ppo_epochs",
-      "local_rollout_forward_batch_size", "kl_horizon"], "at least 1", lambda v: v >= 1),
-    (["max_steps", "eval_every", "save_every", "keep_last"], "-1 (off) or at least 1", lambda v: v == -1 or v >= 1),
-    (["learning_rate", "adam_epsilon", "temperature", "kl_target"], "above 0", lambda v: v > 0),
-    (["weight_decay", "max_grad_norm", "skip_nonfinite", "beta", "epsilon", "epsilon_high", "rpo_alpha",
-      "missing_eos_penalty", "kl_coef", "cliprange", "cliprange_value", "vf_coef"], "0 or more", lambda v: v >= 0),
-    (["warmup_ratio", "gamma", "lam"], "in [0, 1]", lambda v: 0 <= v <= 1),
-    (["label_smoothing"], "in [0, 0.5)", lambda v: 0 <= v < 0.5),
-]
-
-
 def check_arguments(args):
-    """Refuse a numeric argument that cannot be meant (a batch size of 0, a negative --beta...)."""
-    for names, allowed, check in ARGUMENT_RULES:
-        for name, value in [(name, getattr(args, name, None)) for name in names]:
+    """Refuse a number its type in Args rules out (a batch size of 0, a negative --beta, NaN)."""
+    for field in fields(args):
+        value, types = getattr(args, field.name), (field.type, *get_args(field.type))  # Optional[X]: X too
+        for allowed, check in [rule for t in types for rule in getattr(t, "__metadata__", ()) if type(rule) is tuple]:
             if value is not None and not check(value):
-                raise ScriptError(f"--{name} {value}: must be {allowed}")
+                raise ScriptError(f"--{field.name} {value}: {'not a number' if value != value else 'must be'} "
+                                  f"{allowed}")
 
 
 RUN_FILES = ("metrics.jsonl", "checkpoints", "model.safetensors", "model.safetensors.index.json")
@@ -1076,14 +1036,14 @@ def claim_output_dir(args, auto):
 
 
 def output_dir_verdict(args, auto, token):
-    """The first process's refusal or None: a flock kept for the run's life; another run's folder refused
-    unless continued or overwritten."""
+    """The first process's refusal or None: a flock held for the run's life; another run's folder refused unless
+    continued."""
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         lock = open(os.path.join(args.output_dir, ".lock"), "a+")
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return f"another run is writing to --output_dir {args.output_dir}: wait, or choose another folder"
+        return f"another run is writing to --output_dir {args.output_dir}: wait, or choose another"
     except OSError as e:
         return f"--output_dir {args.output_dir}: {e.strerror}; give a folder"
     lock.truncate(0)
@@ -1094,14 +1054,9 @@ def output_dir_verdict(args, auto, token):
     finished = any(name.startswith("model.") for name in found)
     if not found or args.resume_from or (auto and not finished):  # auto restarts a run stopped before a checkpoint
         return None
-    if args.overwrite_output_dir:
-        for path in [os.path.join(args.output_dir, name) for name in found]:
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        print(f"--overwrite_output_dir: removed the previous run's {', '.join(found)} from {args.output_dir}")
-        return None
     auto = "--resume_from auto continues it, " if not finished or complete_checkpoints(args.output_dir) else ""
-    return f"--output_dir {args.output_dir} holds another run ({', '.join(found)}): {auto}--overwrite_output_dir " \
-           "replaces it, or choose another folder"
+    return f"--output_dir {args.output_dir} holds another run ({', '.join(found)}): {auto}or remove it, or choose " \
+           "another"
 
 
 STOP_SIGNALS = []  # signals received: request_stop appends, guard_step reads
@@ -1114,24 +1069,23 @@ def request_stop(signum, frame):
     STOP_SIGNALS.append(signum)
 
 
-def guard_step(loss, grad_norm, step, args, state):
-    """One all-reduce: a non-finite loss or norm anywhere skips the update (--skip_nonfinite times), a
-    signal anywhere stops the run."""
-    flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(grad_norm),
+def guard_step(loss, grad_norm, step, args):
+    """One all-reduce: a non-finite loss or norm anywhere, or a first step giving no gradient at all, stops the
+    run before the update; a signal anywhere stops it after."""
+    no_gradient = (grad_norm == 0) & (loss != 0) & (step == 1)
+    flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(grad_norm), no_gradient,
                          torch.tensor(bool(STOP_SIGNALS), device=grad_norm.device)]).float()
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    bad_loss, bad_norm, stop = flags.tolist()
+    bad_loss, bad_norm, no_gradient, stop = flags.tolist()
     if bad_loss or bad_norm:
         what = " and ".join(name for name, bad in [("loss", bad_loss), ("grad_norm", bad_norm)] if bad)
-        state["skipped"].append(step)
-        if len(state["skipped"]) > args.skip_nonfinite:
-            last = (complete_checkpoints(args.output_dir) or ["none (see --save_every)"])[-1]
-            raise ScriptError(f"step {step}: non-finite {what} (grad_norm {grad_norm.item()}), not applied. Last "
-                              f"complete checkpoint: {last}. Lower --learning_rate, or --skip_nonfinite")
-        if dist.get_rank() == 0:
-            print(f"step {step}: non-finite {what}: update skipped ({len(state['skipped'])} of --skip_nonfinite "
-                  f"{args.skip_nonfinite})")
-    return not (bad_loss or bad_norm), stop > 0
+        last = (complete_checkpoints(args.output_dir) or ["none (see --save_every)"])[-1]
+        raise ScriptError(f"step {step}: non-finite {what} (grad_norm {grad_norm.item()}), not applied. Last "
+                          f"complete checkpoint: {last}. Lower --learning_rate")
+    if no_gradient:
+        raise ScriptError(f"step 1: no weight of --model_name_or_path {args.model_name_or_path} gets a gradient "
+                          "(grad_norm 0): its weights are broken (all zero, or past float range)")
+    return stop > 0
 
 
 def leave_after_signal(checkpoint):
@@ -1145,8 +1099,9 @@ def leave_after_signal(checkpoint):
 
 
 def check_local_path(path, what, auto_class=None):
-    """A local name that is not there, refused before the hub retries it for a minute."""
+    """A local path that is not there, refused before the hub retries it for a minute."""
     meant_local = path.startswith(("/", "./", "../", "~")) or ("/" in path and os.path.isdir(path.split("/")[0]))
+    meant_local |= path.endswith(DATA_EXTENSIONS)  # a file, not a hub id
     if meant_local and not os.path.exists(os.path.expanduser(path)):
         raise ScriptError(f"{what} {path!r}: no such file or folder")
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -1155,20 +1110,19 @@ def check_local_path(path, what, auto_class=None):
 
 
 def loading_error(auto_class, path, flag, error):
-    """Why a model or tokenizer does not load: a damaged file, no such name, or HF's reason."""
-    if isinstance(error, SafetensorError):  # e.g. a file cut short
-        return ScriptError(f"{flag} {path!r}: a weights file there is damaged ({error}); copy it again")
+    """Why a model or tokenizer does not load: no such name, or HF's reason."""
     if not os.path.exists(path):
         return ScriptError(f"{flag} {path!r}: no such folder, nor on the hub ({str(error).splitlines()[0]})")
     return ScriptError(f"{flag} {path!r} does not load with {auto_class.__name__}: {error}")
 
 
 def check_weights(model, info, path, flag):
-    """No weight missing (HF makes it up) or left over (a reward model's head given as a causal LM)."""
+    """No weight missing (HF would make it up) or left over (a reward model's head given as a causal LM)."""
     problems = [f"no weights for {sorted(info['missing_keys'])}"] if info["missing_keys"] else []
     problems += [f"weights {sorted(info['unexpected_keys'])} it does not use"] if info["unexpected_keys"] else []
     if problems:
-        raise ScriptError(f"{flag} {path!r} has {' and '.join(problems)} as {type(model).__name__}: give one")
+        wanted = "reward.py's output" if "Classification" in type(model).__name__ else "a causal LM"
+        raise ScriptError(f"{flag} {path!r} has {' and '.join(problems)} as {type(model).__name__}: give {wanted}")
 
 
 def check_tokenizer(tokenizer, args):
@@ -1187,20 +1141,18 @@ DATASETS_METADATA = {"dataset_infos.json", "dataset_info.json", "state.json", "d
 
 def check_split_files(folder, splits):
     """Every data file of a folder in a split (datasets skips files with no split word once one has)."""
-    used, skipped = {os.path.realpath(f) for files in splits.values() for f in files}, []
-    for root, folders, files in os.walk(folder):
-        folders[:] = [f for f in folders if not f.startswith((".", "__"))]  # hidden: datasets skips them too
-        skipped += [os.path.relpath(os.path.join(root, f), folder) for f in files if f.endswith(DATA_EXTENSIONS)
-                    and f not in DATASETS_METADATA and not f.startswith((".", "__"))
-                    and os.path.realpath(os.path.join(root, f)) not in used]
+    used = {os.path.realpath(f) for files in splits.values() for f in files}
+    skipped = [os.path.relpath(f, folder) for f in glob.glob(f"{folder}/**/*", recursive=True)  # hidden ones aside
+               if f.endswith(DATA_EXTENSIONS) and os.path.basename(f) not in DATASETS_METADATA
+               and os.path.realpath(f) not in used]
     if skipped:
         found = {split: [os.path.relpath(f, folder) for f in files] for split, files in splits.items()}
         raise ScriptError(f"dataset folder {folder!r}: {sorted(skipped)} would be in no split (found {found}); name "
                           "each after its split")
 
 
-def data_file_problem(path):
-    """Why a JSON or JSONL file does not load, by line, or None."""
+def data_file_problem(path, column=None):
+    """Why a JSON or JSONL file does not load, or the first row whose `column` is not text, by line; or None."""
     raw = open(path, "rb").read()
     try:
         text = raw.decode("utf-8")
@@ -1211,9 +1163,11 @@ def data_file_problem(path):
         return f"dataset file {path!r} is empty"
     for number, line in enumerate(text.splitlines(), 1):
         try:
-            json.loads(line.strip() or "null")  # a blank line is no row, and no error
+            row = json.loads(line.strip() or "null")  # a blank line is no row, and no error
         except json.JSONDecodeError as e:
             return f"dataset file {path!r} line {number} is not valid JSON ({e.msg}, column {e.colno}): {line[:80]!r}"
+        if column and isinstance(row, dict) and not isinstance(row.get(column, ""), str):
+            return f"dataset file {path!r} line {number}: {column!r} is {row[column]!r}, not text: give a JSON string"
     return None
 
 
@@ -1226,26 +1180,36 @@ def check_columns(dataset, args, split, tokenizer):
     specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special})
     names = ["prompt", "completion", "chosen", "rejected", "messages", getattr(args, "prompt_column", "prompt"),
              getattr(args, "answer_column", "answer")]
+    file = args.dataset_name if os.path.isfile(args.dataset_name) else ""
     for column in [name for name in dict.fromkeys(names) if name in dataset.column_names]:
         where = f"dataset {args.dataset_name!r}, split {split!r}, column {column!r}"
+        if isinstance(dataset.features[column], datasets.Json):  # mixed types: datasets decodes " 39" to 39 too
+            raise ScriptError(file and data_file_problem(file, column) or f"{where}: text mixed with other values")
         try:
             values = list(dataset[column])
         except UnicodeDecodeError as e:  # pyarrow keeps the bytes unchecked: they fail when read as text
-            raise ScriptError(os.path.isfile(args.dataset_name) and data_file_problem(args.dataset_name)
-                              or f"{where}: text that is not UTF-8 ({e.reason})") from e
+            raise ScriptError(file and data_file_problem(file) or f"{where}: not UTF-8 text ({e.reason})") from e
         for row, value in enumerate(values):
-            messages = value if isinstance(value, list) else []
-            bad = [m for m in messages if not isinstance(m, dict) or m.get("role") not in ROLES
-                   or not isinstance(m.get("content"), str)]
-            texts = [value] if isinstance(value, str) else [] if bad else [m["content"] for m in messages]
-            spelt = [t for t in specials for text in texts if t in text]
-            problem = ("no value (null, or missing where other rows have one)" if value is None else
-                       f"{value!r} was read as a number, not text: give it as a JSON string"
-                       if not isinstance(value, (str, list)) else
-                       f"message {bad[0]!r} needs a role (one of {', '.join(ROLES)}) and a text content" if bad else
-                       f"the text {spelt[0]!r} would become a special token: remove it" if spelt else None)
+            problem = value_problem(value, specials, ".csv" in file)
             if problem:
                 raise ScriptError(f"{where}, row {row}: {problem}")
+
+
+def value_problem(value, specials, csv):
+    """What is wrong with a value of a text column (a string, or messages), or None."""
+    if value is None:
+        return "no value (null, or missing where other rows have one)"
+    if not isinstance(value, (str, list)):
+        return f"{value!r} was read as a number, not text: " + ("convert the CSV file to JSON Lines" if csv else
+                                                                "give a string")
+    messages = value if isinstance(value, list) else [{"role": "user", "content": value}]
+    for message in messages:
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            return f"message {message!r} has no role: give one of {', '.join(ROLES)}"
+        if not isinstance(message.get("content"), str):
+            return f"message {message!r} has no text content: give one"
+    spelt = [token for token in specials for message in messages if token in message["content"]]
+    return f"the text {spelt[0]!r} would become a special token: remove it" if spelt else None
 
 
 def check_splits(args, tokenizer, splits):
@@ -1264,10 +1228,19 @@ def check_splits(args, tokenizer, splits):
                               f"{model}: the tokenizer and the model do not belong together")
         lengths = [len(p) + max([len(c[i]) for c in columns[1:]] or [args.max_completion_length])
                    for i, p in enumerate(columns[0])]
-        if max(lengths, default=0) > limit:
-            then = "its longest completion" if columns[1:] else f"--max_completion_length {args.max_completion_length}"
-            raise ScriptError(f"split {split!r}: {max(lengths)} tokens (a prompt and {then} new tokens) are past the "
-                              f"{limit} positions of {model}: lower the length limits")
+        longest = max(range(len(lengths)), key=lengths.__getitem__, default=0)
+        if lengths and lengths[longest] > limit:
+            then = "its completion" if columns[1:] else f"--max_completion_length {args.max_completion_length}"
+            raise ScriptError(f"split {split!r}: the prompt {tokenizer.decode(columns[0][longest])[:40]!r}... and "
+                              f"{then} take {lengths[longest]} tokens, past the {limit} positions of {model}: lower "
+                              "--max_prompt_length (dropping longer prompts) or --max_completion_length")
+
+
+def check_rewards(rewards, sources):
+    """Finite rewards (column j from sources[j]): a NaN would reach the advantages unseen."""
+    for count, source in zip((~torch.isfinite(rewards)).sum(0).tolist(), sources):
+        if count:
+            raise ScriptError(f"{count} of {len(rewards)} completions got a non-finite reward from {source}: check it")
 
 
 def check_linear_head(model, head, hidden, logits):
@@ -1279,42 +1252,26 @@ def check_linear_head(model, head, hidden, logits):
                           "states")
 
 
-def checkpoint_error(path, step, args, error):
-    """A checkpoint not written (a full disk): its partial folder removed, the cause named."""
-    if dist.get_rank() == 0:
-        shutil.rmtree(f"{path}.tmp", ignore_errors=True)
-    cause = next(iter(error.failures.values()))[0] if isinstance(error, dcp.api.CheckpointException) else error
-    full = "no space left on device; " if shutil.disk_usage(args.output_dir).free < 2**26 else ""
-    last = (complete_checkpoints(args.output_dir) or ["none"])[-1]
-    return ScriptError(f"step {step}: the checkpoint {path} could not be written ({full}{cause!r}). The last "
-                       f"checkpoint, {last}, is kept: make room, then --resume_from auto")
-
-
-# arguments a resumed run may change: where and how often it logs, how the global batch is split
-RESUMABLE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "overwrite_output_dir",
-             "resume_from", "log_every", "eval_every", "save_every", "keep_last", "skip_nonfinite",
-             "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size",
-             "local_rollout_forward_batch_size", "cache_implementation", "gradient_checkpointing", "cpu_offload",
-             "reshard_after_forward", "world_size", "local_batch_size"}
-
-
 def check_checkpoint(path, args):
-    """The manifest of a complete checkpoint of this run (every argument outside RESUMABLE the same)."""
-    manifest = complete_checkpoint(path)
-    if manifest is None:
+    """The manifest of a complete checkpoint of this run (the same arguments, but those of type Resumable)."""
+    if not is_complete(path):
         raise ScriptError(f"--resume_from {path!r} is not a complete checkpoint: --resume_from auto finds one")
-    mismatched = [f"{name} {manifest['args'].get(name)!r} in the checkpoint, {value!r} now"
-                  for name, value in json.loads(json.dumps(vars(args))).items()
-                  if name not in RESUMABLE and manifest["args"].get(name) != value]
+    manifest = json.load(open(f"{path}/checkpoint.json"))
+    origin = {"batch_size": " (processes x micro-batch x accumulation)",  # computed: named by what makes them
+              "num_training_steps": " (--max_steps, or --num_train_epochs x the rows)"}
+    now, then = json.loads(json.dumps(vars(args))), manifest["args"]  # as JSON has them
+    fixed = [field.name for field in fields(args) if RESUMABLE not in getattr(field.type, "__metadata__", ())]
+    mismatched = [f"{name}{origin.get(name, '')} {then.get(name)!r} in the checkpoint, {now[name]!r} now"
+                  for name in fixed if then.get(name) != now[name]]
     if mismatched:
-        raise ScriptError(f"checkpoint {path} does not match the arguments: {'; '.join(mismatched)}. Resume with its "
-                          "arguments")
+        raise ScriptError(f"checkpoint {path} does not match the arguments: {'; '.join(mismatched)}. Resume with "
+                          "its arguments")
     return manifest
 
 
 class CheckpointReader(dcp.FileSystemReader):
-    """DCP's reader, .metadata unpickled through an allow-list, with no bytes entry (DCP unpickles
-    those): a checkpoint cannot run planted code."""
+    """DCP's reader, .metadata unpickled through an allow-list, with no bytes entry (DCP unpickles those): a
+    checkpoint runs no planted code."""
 
     def __init__(self, path):
         super().__init__(path)
@@ -1333,13 +1290,15 @@ class CheckpointReader(dcp.FileSystemReader):
 
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
             metadata = Unpickler(f).load()
-        pickled = [k for k, entry in metadata.state_dict_metadata.items() if isinstance(entry, BytesStorageMetadata)]
+        entries = metadata.state_dict_metadata.items()
+        pickled = [key for key, entry in entries if isinstance(entry, dcp.metadata.BytesStorageMetadata)]
         if pickled:
             raise ScriptError(f"checkpoint {self.path} lists a non-tensor entry ({pickled[0]}): not ours")
-        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # output into a closed pipe (--help | head): exit quietly
     main(tyro.cli(Args, use_underscores=True, console_outputs=os.environ.get("RANK", "0") == "0"))

@@ -3,6 +3,7 @@ status, and an abort at exit such as "terminate called without an active excepti
     python bench/exit_loop.py --toy toy --runs 50 --out runs/exit_loop"""
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -22,7 +23,8 @@ for run in range(args.runs):
     script = list(scripts)[run % len(scripts)]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
                "--model_name_or_path", f"{args.toy}/model", "--max_steps", "2", "--output_dir", args.out,
-               "--overwrite_output_dir", "--save_every", "2", "--seed", str(run), *scripts[script]]
+               "--save_every", "2", "--seed", str(run), *scripts[script]]
+    shutil.rmtree(args.out, ignore_errors=True)  # the last run's
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     output = result.stdout + result.stderr
     if result.returncode != 0 or "terminate called" in output:

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import subprocess
 import sys
 
@@ -62,10 +63,11 @@ measures = {
     "load": torchrun + [os.path.abspath(__file__), "--worker", "--out", args.out, "--scripts", args.scripts],
     "step": torchrun + ["--no-python", "/usr/bin/time", "-f", "peak_rss_kb %M", sys.executable, "sft.py",
                         "--model_name_or_path", model_dir, "--dataset_name", os.path.join(args.toy, "sft"),
-                        "--output_dir", os.path.join(args.out, "sft"), "--overwrite_output_dir", "--max_steps", "1",
+                        "--output_dir", os.path.join(args.out, "sft"), "--max_steps", "1",
                         "--per_device_train_batch_size", "1", "--log_every", "1"],
 }
 peaks = {}
+shutil.rmtree(os.path.join(args.out, "sft"), ignore_errors=True)  # the step's run starts afresh
 for name, command in measures.items():
     result = subprocess.run(command, cwd=args.scripts, env=env, capture_output=True, text=True)
     output = result.stdout + result.stderr

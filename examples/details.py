@@ -14,6 +14,7 @@ PARALLEL (default 1; 2 when NPROC is 1) runs at a time.
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -39,11 +40,12 @@ def steps(full, fast=2):
 def run(script, folder, *flags):
     """Run `script` with `flags` into `folder` (its output in folder.log) unless it is there already; its metrics."""
     launcher = ["torchrun", "--standalone", "--nproc_per_node", str(NPROC)] if NPROC > 1 else [sys.executable]
-    command = launcher + [script, *map(str, flags), "--output_dir", folder, "--overwrite_output_dir"]
+    command = launcher + [script, *map(str, flags), "--output_dir", folder]
     stamp = os.path.join(folder, "command.txt")
     done = os.path.exists(stamp) and open(stamp).read() == shlex.join(command)
     if not (done and os.path.exists(os.path.join(folder, "config.json"))):
         start = time.time()
+        shutil.rmtree(folder, ignore_errors=True)  # a run left unfinished, or with other flags
         os.makedirs(os.path.dirname(folder), exist_ok=True)
         with open(f"{folder}.log", "w") as log:
             result = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -140,6 +142,9 @@ def folder_name(runner, flags):
 
 
 def main():
+    if os.path.exists(OUT) and not os.path.isdir(OUT):
+        print(f"details.py: error: OUT={OUT} is a file: give a folder", file=sys.stderr)
+        sys.exit(2)
     os.makedirs(OUT, exist_ok=True)
     start = time.time()
     base_models()

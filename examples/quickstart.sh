@@ -18,6 +18,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
 MB=$((32 / NPROC))  # global batch 32 whatever the number of processes
 steps() { if [ "$FAST" = 1 ]; then echo "$2"; else echo "$1"; fi; }  # steps FULL FAST
 mkdir -p "$OUT"
+rm -rf "$OUT/sft" "$OUT/reward" "$OUT/dpo" "$OUT/grpo" "$OUT/ppo"  # a new run replaces the last
 : > "$OUT/times.tsv"
 stage() {  # stage NAME COMMAND...: run it, its output also in $OUT/NAME.log, its wall time in $OUT/times.tsv
     local name=$1 start=$SECONDS
@@ -25,7 +26,7 @@ stage() {  # stage NAME COMMAND...: run it, its output also in $OUT/NAME.log, it
     "$@" 2>&1 | tee "$OUT/$name.log"
     echo "$name $((SECONDS - start))" >> "$OUT/times.tsv"
 }
-run() { torchrun --standalone --nproc_per_node "$NPROC" "$@" --overwrite_output_dir; }  # again: replace the last run
+run() { torchrun --standalone --nproc_per_node "$NPROC" "$@"; }
 
 [ -d "$TOY/model" ] || python examples/toy_task.py --out "$TOY" \
     --num_train "$(steps 4000 512)" --num_test "$(steps 200 50)"

@@ -17,6 +17,7 @@ import sys
 
 import torch
 import torch.distributed.checkpoint as dcp
+import transformers
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -57,7 +58,7 @@ def load_checkpoint_weights(model, checkpoint):
     names = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     weights = model.state_dict()
     nested = any(name.startswith("model.policy.") for name in names)
-    dcp.load({"model": {"policy": weights} if nested else weights}, checkpoint_id=checkpoint)
+    dcp.load({"model": {"policy": weights} if nested else weights}, checkpoint_id=checkpoint, no_dist=True)
     model.load_state_dict(weights)
 
 
@@ -220,4 +221,6 @@ def report(out, toy):
 
 
 if __name__ == "__main__":
+    if not sys.stderr.isatty():  # a log: the table, not the bar of each model loaded
+        transformers.utils.logging.disable_progress_bar()
     report(sys.argv[1], sys.argv[2])

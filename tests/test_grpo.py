@@ -257,6 +257,30 @@ def test_rejection_sampling_temperature_limits_and_ties():
         assert abs(share - 0.5) <= 5 * math.sqrt(0.25 / draws), (i, share)
 
 
+def test_rejection_sampling_refuses_what_would_never_end():
+    """A pass keeps each candidate with probability exp((r - r_max) / beta): with a NaN reward, a reward of +inf, all
+    left at -inf or beta NaN, no candidate is ever kept, and the loop never ended. Each is refused now (the call runs in
+    a thread, so the old loop fails this test instead of hanging it)."""
+    import threading
+
+    cases = [([float("nan")] + [0.0] * 7, 0.5), ([float("inf"), 0.0, 1.0], 0.5), ([0.0, -math.inf, -math.inf], 0.5),
+             ([0.0, 1.0, 2.0], float("nan")), ([0.0, 1.0, 2.0], 0.0)]
+    for rewards, beta in cases:
+        outcome = []
+
+        def call():
+            try:
+                rejection_sample(torch.tensor([rewards]), 2, beta, torch.Generator().manual_seed(0))
+                outcome.append("kept")
+            except ValueError as e:
+                outcome.append(str(e))
+
+        thread = threading.Thread(target=call, daemon=True)
+        thread.start()
+        thread.join(timeout=10)
+        assert outcome and "needs finite rewards and a beta above 0" in outcome[0], (rewards, beta, outcome)
+
+
 # ---------------------------------------------------------------------------------------------- verifiers
 def test_verifiers_on_every_gsm8k_solution():
     """All 1,319 real solutions: each scores 1 against itself and against its bare final number (gsm8k), its final
@@ -538,12 +562,18 @@ def test_bad_input(toy, tmp_path):
     what every script shares (formats, columns, dropped rows, tokenizer, model folders, reward model, batch sizes)."""
     (tmp_path / "no_answer.jsonl").write_text('{"prompt": "sort: 21 ->"}\n')
     for data, extra, message in [
-        (tmp_path / "no_answer.jsonl", [], "and an 'answer' column (see --prompt_column, --answer_column)"),
-        (toy / "prompts", ["--num_generations", 3], "--num_generations 3: must be at least 2 and divide"),
+        (tmp_path / "no_answer.jsonl", [], "and an 'answer' column (--prompt_column, --answer_column)"),
+        (toy / "prompts", ["--num_generations", 3], "--num_generations 3 does not divide a rollout's 16 completions: "
+         "1 processes x --per_device_train_batch_size x --gradient_accumulation_steps x --num_mini_batches"),
+        (toy / "prompts", ["--num_generations", 1], "--num_generations 1: must be at least 2"),
         (toy / "prompts", ["--reward_fn", "None"], "no reward"),
-        (toy / "prompts", ["--num_candidates", 16], "--num_candidates 16, --num_generations 8, --rejection_sampling_"),
-        (toy / "prompts", ["--num_candidates", 4, "--rejection_sampling_beta", 1], "sample G or more, more exactly"),
-        (toy / "prompts", ["--rejection_sampling_beta", 1], "--num_candidates 8, --num_generations 8, --rejection"),
+        # four mistakes of rejection sampling, each its own message
+        (toy / "prompts", ["--num_candidates", 0], "--num_candidates 0: must be at least 1"),
+        (toy / "prompts", ["--num_candidates", 16, "--rejection_sampling_beta", -1], "beta -1.0: must be above 0"),
+        (toy / "prompts", ["--num_candidates", 16, "--rejection_sampling_beta", "nan"], "beta nan: not a number"),
+        (toy / "prompts", ["--num_candidates", 4], "--num_candidates 4: must be at least --num_generations 8"),
+        (toy / "prompts", ["--num_candidates", 16], "rejection sampling needs both --num_candidates above G"),
+        (toy / "prompts", ["--rejection_sampling_beta", 1], "rejection sampling needs both --num_candidates"),
     ]:
         error, _ = run_in_process("grpo.py", grpo_args(toy / "model", data, tmp_path / "out", *extra))
         assert isinstance(error, ValueError) and message in str(error), (message, repr(error))

@@ -60,9 +60,8 @@ def test_a_wrong_flag_is_caught():
             tyro.cli(Args, args=bad)
 
 
-# what the quickstart adds to the README's toy lines for its report (logging, checkpoints to score, evaluation) and to
-# be run again (--overwrite_output_dir, in its run function)
-REPORT_ONLY = {"log_every", "save_every", "eval_every", "per_device_eval_batch_size", "overwrite_output_dir"}
+# what the quickstart adds to the README's toy lines for its report (logging, checkpoints to score, evaluation)
+REPORT_ONLY = {"log_every", "save_every", "eval_every", "per_device_eval_batch_size"}
 
 
 def quickstart_stages(out="runs", toy="toy", micro_batch="16"):

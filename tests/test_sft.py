@@ -67,7 +67,7 @@ def test_head_logprobs_in_chunks_equal_autograd_through_the_whole_logits(dtype, 
         return log_p.gather(-1, labels[:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)
 
     def chunked(h, w, b=None):
-        return head_logprobs(h, w, b, labels, 0.7, rows=3)
+        return head_logprobs(h, w, b, labels, 0.7, with_entropy=True, rows=3)
 
     results = []
     for function in (plain, chunked):
@@ -281,3 +281,31 @@ def test_conversational_messages_dropped_rows_and_wandb(toy, tmp_path):
         in result.stdout
     )
     assert len(read_metrics(tmp_path / "out")) == 2
+
+
+def test_a_resumed_run_continues_dropout_bit_for_bit(toy, tmp_path):
+    """sft.py leaves dropout on (here a copy of the toy model with attention dropout 0.1): a resumed run must continue
+    the random stream its dropout masks come from. 4 steps straight, and steps 3-4 resumed from the checkpoint of step
+    2, end with the same weights, bit for bit; without dropout the straight run ends elsewhere (dropout did act)."""
+    import shutil
+
+    from conftest import run_in_process
+    from safetensors.torch import load_file
+
+    for name, dropout in (("dropout", 0.1), ("plain", 0.0)):
+        shutil.copytree(toy / "model", tmp_path / f"model_{name}")
+        config = json.load(open(tmp_path / f"model_{name}" / "config.json"))
+        json.dump({**config, "attention_dropout": dropout}, open(tmp_path / f"model_{name}" / "config.json", "w"))
+    args = ["--dataset_name", toy / "sft", "--max_steps", 4, "--save_every", 2, "--per_device_train_batch_size", 4]
+    checkpoint = tmp_path / "straight" / "checkpoints" / "step_2"
+    runs = {
+        "straight": ["--model_name_or_path", tmp_path / "model_dropout"],
+        "resumed": ["--model_name_or_path", tmp_path / "model_dropout", "--resume_from", checkpoint],
+        "no_dropout": ["--model_name_or_path", tmp_path / "model_plain"],
+    }
+    for name, extra in runs.items():
+        error, printed = run_in_process("sft.py", args + extra + ["--output_dir", tmp_path / name])
+        assert error is None, (name, repr(error), printed[-2000:])
+    weights = {name: load_file(tmp_path / name / "model.safetensors") for name in runs}
+    assert all(torch.equal(weights["straight"][k], weights["resumed"][k]) for k in weights["straight"])
+    assert not all(torch.equal(weights["straight"][k], weights["no_dropout"][k]) for k in weights["straight"])
