@@ -125,6 +125,7 @@ def split_runs(request, toy, tmp_path_factory):
         # progress bar in a log file (stderr is not a terminal here): the metric lines alone
         assert "can cause backward to fail" not in result.stderr
         assert not re.search(rf"{script[:-3]}: +\d+%\|", result.stderr), result.stderr[-2000:]
+        assert "Loading weights" not in result.stderr  # nor the libraries' bars
     return script, model, root, runs, reward
 
 
@@ -182,9 +183,21 @@ def test_lr_schedule_is_exact_for_every_split(split_runs):
         assert [r["lr"] for r in rows] == pytest.approx(expected, rel=1e-9, abs=1e-15), (script, split)
 
 
+def children_of(pid):
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in [entry for entry in os.listdir("/proc") if entry.isdigit()]:
+        try:  # /proc/N/stat: "N (name) state ppid ..."
+            if int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
 def interrupted_run(script, args, nproc, out, stop_after, kill):
     """Start a run, wait until it has logged `stop_after` steps, then SIGTERM torchrun (what a preempted job gets; it
-    forwards the signal to every process) or SIGKILL the whole process group (a lost node: no chance to save).
+    forwards the signal to every process) or SIGKILL torchrun and its workers (a lost node: no chance to save).
     Returns the launcher's exit code and output."""
     command = [
         sys.executable,
@@ -207,8 +220,9 @@ def interrupted_run(script, args, nproc, out, stop_after, kill):
     deadline = time.time() + 300
     while time.time() < deadline and process.poll() is None:
         if os.path.exists(out / "metrics.jsonl") and len(open(out / "metrics.jsonl").readlines()) >= stop_after:
-            if kill:
-                os.killpg(process.pid, signal.SIGKILL)
+            if kill:  # torchrun starts each worker in a session of its own: they go with it, as on a lost node
+                for pid in children_of(process.pid) + [process.pid]:
+                    os.kill(pid, signal.SIGKILL)
             else:
                 process.send_signal(signal.SIGTERM)
             break
