@@ -14,6 +14,7 @@ import json
 import os
 import re
 import sys
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -223,4 +224,5 @@ def report(out, toy):
 if __name__ == "__main__":
     if not sys.stderr.isatty():  # a log: the table, not the bar of each model loaded
         transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", "torch.distributed is disabled")  # DCP's, for the one process it is given
     report(sys.argv[1], sys.argv[2])

@@ -15,8 +15,10 @@ import argparse
 import json
 import os
 import random
+import sys
 
 import torch
+import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -220,6 +222,8 @@ if __name__ == "__main__":
     parser.add_argument("--eval", help="a causal LM folder to score by greedy exact match")
     parser.add_argument("--data", help="a prompts file (prompt + answer columns) for --eval")
     args = parser.parse_args()
+    if not sys.stderr.isatty():  # a log: the lines below, not transformers' bar
+        transformers.utils.logging.disable_progress_bar()
     if args.out:
         write_toy_task(args.out, args.seed, args.num_train, args.num_test)
         print(f"wrote {args.out}/model, {args.out}/sft, {args.out}/preference, {args.out}/prompts")
