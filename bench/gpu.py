@@ -2,6 +2,7 @@
 
     bash bench/gpu_wheels.sh               # on the CPU machine, once: what the GPU machine lacks, as wheels in .whl/
     bash bench/gpu.sh --out runs/gpu       # on the GPU machine: installs .whl/ if needed, then runs this file
+    bash bench/gpu.sh --sizes users        # the speed and generation stages at the shape users train (SIZES)
     bash bench/gpu.sh --dry-run            # the same steps at toy size on CPU (tests/test_gpu_bench.py runs it),
                                            # without sft_again and the static-cache runs, each as `python script.py`
 
@@ -51,6 +52,10 @@ SIZES = {
     "dry": dict(shape="tiny", prompt=16, completion=16, sft_batch=4, dpo_batch=4, steps=5, skip=1, grpo_prompts=2,
                 grpo_generations=4, grpo_completion=8, grpo_micro=4, grpo_steps=3, grpo_skip=1, toy_steps=2,
                 gen_repeats=1, check_prompts=4, check_tokens=6, run_timeout=300),
+    # the shape users train at: sft 16 x 1024 tokens a step, dpo 8 pairs x 1024, grpo 64 completions of 512 new tokens
+    "users": dict(shape="qwen2.5-0.5b", prompt=256, completion=768, sft_batch=16, dpo_batch=8, steps=15, skip=3,
+                  grpo_prompts=8, grpo_generations=8, grpo_completion=512, grpo_micro=16, grpo_steps=4, grpo_skip=1,
+                  toy_steps=4, gen_repeats=1, check_prompts=8, check_tokens=16, run_timeout=240),
 }
 # dense bf16 matrix rate from the data sheets (FLOP/s), what MFU is taken against; the measured rate is also reported
 PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
@@ -64,9 +69,10 @@ def main():
     parser.add_argument("--stages", nargs="+", default=["env", "correctness", "speed", "generation"])
     parser.add_argument("--no-trl", action="store_true", help="skip TRL's side of the speed stage")
     parser.add_argument("--algos", nargs="+", default=["sft", "dpo", "grpo", "grpo_static"], help="the speed runs")
+    parser.add_argument("--sizes", default="gpu", choices=["gpu", "users"], help="SIZES on a GPU")
     parser.add_argument("--budget", type=float, default=520, help="seconds; a stage that would start later is skipped")
     args = parser.parse_args()
-    sizes = SIZES["dry" if args.dry_run else "gpu"]
+    sizes = SIZES["dry" if args.dry_run else args.sizes]
     out = os.path.abspath(args.out)
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     if not torch.cuda.is_available() and not args.dry_run:
