@@ -5,6 +5,7 @@ log-probabilities are computed once, before training, for the whole training spl
 (--no-precompute-ref-logps keeps it and recomputes them online; both give the same losses); (2) dropout is off in
 the policy, so the implicit reward is exactly 0 before the first step; (3) --loss_type ipo uses summed
 log-probabilities, as the other losses do; ipo_per_token averages them over tokens (TRL's ipo); (4) optional RPO term.
+Online DPO, on pairs the policy samples and a reward model or verifier labels: grpo.py --policy_loss dpo.
 Run (the toy task's command: README):
       torchrun --nproc_per_node 8 dpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
           --dataset_name trl-lib/ultrafeedback_binarized --track

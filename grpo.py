@@ -2,8 +2,9 @@
 verifier and/or a reward model), use each reward relative to its group as the advantage of all the completion's
 tokens, and optimise PPO's clipped surrogate with a KL penalty to the reference model in the loss. No value model.
 Paper: arXiv:2402.03300 (DeepSeekMath, Sec. 4.1). Variants, a flag or two each (README): DAPO, Dr. GRPO, GSPO, CISPO,
-RLOO, REINFORCE++, rejection sampling (RSO). Unlike the paper: --loss_type token (DAPO) is the default; outcome rewards
-only; a group of equal rewards gets exactly 0 advantage; rollouts do not depend on the number of processes.
+RLOO, REINFORCE++, rejection sampling (RSO), online DPO. Unlike the paper: --loss_type token (DAPO) is the default;
+outcome rewards only; a group of equal rewards gets exactly 0 advantage; rollouts do not depend on the number of
+processes.
 Run (the toy task's command: README):
       torchrun --nproc_per_node 8 grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
           --dataset_name gsm8k_prompts.jsonl --reward_fn gsm8k --max_completion_length 512 --track
@@ -130,66 +131,64 @@ class Args:
     """(computed) the run's optimizer steps"""
     rollout_batch_size: Resumable[Suppress[Optional[int]]] = None
     """(computed) batch_size x num_mini_batches: the completions of a rollout"""
-    num_prompts_per_rollout: Resumable[Suppress[Optional[int]]] = None
-    """(computed) rollout_batch_size / num_generations"""
 
     # RL: rollouts and rewards
     max_prompt_length: AtLeast1 = 512
-    """longer prompts (in tokens) are dropped, and counted"""
+    """longer prompts (tokens) are dropped, and counted"""
     max_completion_length: AtLeast1 = 256
-    """new tokens per completion (one without EOS by then is truncated)"""
+    """new tokens per completion (then truncated)"""
     num_generations: Annotated[int, ("at least 2", lambda v: v >= 2)] = 8
-    """completions per prompt: the group whose rewards are compared (G)"""
+    """completions per prompt, a group (G)"""
     num_candidates: Optional[AtLeast1] = None
-    """completions sampled per prompt, of which rejection sampling keeps G (default: G, none rejected)"""
+    """completions sampled per prompt, of which rejection sampling keeps G"""
     rejection_sampling_beta: Optional[Positive] = None
-    """its temperature (RSO): near 0 keeps the best G, large any G; needed with num_candidates > G"""
+    """its temperature (RSO): near 0 keeps the best, large any"""
     num_mini_batches: AtLeast1 = 1
     """optimizer steps per pass over a rollout"""
     num_iterations: AtLeast1 = 1
-    """passes over each rollout (mu in the paper; 1: the old policy is the current one)"""
+    """passes over each rollout (mu in the paper)"""
     local_rollout_forward_batch_size: Resumable[AtLeast1] = 64
-    """completions per process per generation call and per no-grad forward pass"""
+    """completions per process per generation call or no-grad forward"""
     temperature: Positive = 1.0
-    """sampling temperature (log-probs from logits / temperature)"""
+    """sampling temperature (log-probs from logits / temperature; online DPO's at 1)"""
     cache_implementation: Resumable[Literal["dynamic", "static"]] = "dynamic"
-    """generation's KV cache (static: compiled on a GPU, faster from the second rollout)"""
+    """generation's KV cache (static: compiled on a GPU, faster after the first rollout)"""
     reward_fn: Optional[Literal["exact_match", "last_number", "gsm8k"]] = "exact_match"
-    """the verifier against the answer column (verifier_reward); None: none"""
+    """the verifier against the answer column (None: none)"""
     prompt_column: str = "prompt"
-    """the dataset column of the prompts (GSM8K: question)"""
+    """the prompts' dataset column (GSM8K: question)"""
     answer_column: str = "answer"
-    """the dataset column of the answers (GSM8K: the solution, or its final number)"""
+    """the answers' dataset column (GSM8K: the solution)"""
     reward_model_path: Optional[str] = None
-    """a reward model folder written by reward.py (the policy's tokenizer)"""
+    """a reward model folder written by reward.py"""
     reward_fn_weight: float = 1.0
-    """reward = reward_fn_weight x verifier + reward_model_weight x reward model"""
+    """reward = reward_fn_weight x verifier + reward_model_weight x score"""
     reward_model_weight: float = 1.0
     """see reward_fn_weight"""
     missing_eos_penalty: NonNegative = 0.0
     """subtracted from the reward of a completion without EOS"""
     mask_truncated_completions: bool = False
-    """leave completions without EOS out of the loss (DAPO's overlong filtering)"""
+    """completions without EOS out of the loss (DAPO's overlong filtering)"""
 
-    # GRPO and its variants (the README's table: which flags give which method)
+    # GRPO and its variants (the README's table)
     advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
-    """how rewards become advantages (group_advantages)"""
-    scale_rewards: Literal["group", "batch", "group_then_batch", "none"] = "group"
-    """grpo: divide r - group mean by the std of the group, rollout (batch), both in turn, or none (Dr. GRPO)"""
+    """how rewards become advantages"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """grpo: divide r - group mean by the std of the group, of the rollout (batch), or none (Dr. GRPO)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
-    """token: a ratio pi / pi_old per token; sequence: one per completion (GSPO)"""
-    policy_loss: Literal["clip", "cispo"] = "clip"
-    """clip: PPO's clipped surrogate; cispo: the clipped weight times A log pi (CISPO)"""
+    """a ratio pi / pi_old per token, or per completion (GSPO)"""
+    policy_loss: Literal["clip", "cispo", "dpo"] = "clip"
+    """clip: PPO's clipped surrogate; cispo: the clipped weight times A log pi (CISPO); dpo: online DPO"""
     epsilon: NonNegative = 0.2
-    """the ratio pi / pi_old is clipped to [1 - epsilon, 1 + epsilon_high]"""
+    """pi / pi_old is clipped to [1 - epsilon, 1 + epsilon_high]"""
     epsilon_high: Optional[NonNegative] = None
     """default: epsilon (DAPO's clip-higher: 0.28)"""
     beta: NonNegative = 0.04
-    """weight of the KL penalty in the loss (0: no reference model)"""
+    """weight of the KL penalty in the loss (0: no reference model); online DPO's beta"""
     kl_estimator: Literal["k1", "k2", "k3", "k1_ratio"] = "k3"
-    """the KL estimate in the loss (kl_estimate); objective/kl is logged with k3"""
+    """the KL estimate in the loss; objective/kl is logged with k3"""
     loss_type: Literal["token", "sequence", "constant"] = "token"
-    """what the summed loss is divided by (loss_normaliser)"""
+    """what the loss sum is divided by"""
 
 
 # a number: -1,234.5 or 1234, not a part of 1,2345, 3/4, 2^4 or 1e3
@@ -197,15 +196,15 @@ NUMBER = r"(?<![\d.,/^eE])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d,.]?\d|/\d
 
 
 def parse_answer(text, reward_fn):
-    """The final answer of a text as a Decimal (18 = 18.0), or None: gsm8k, the number after '#### ' (thousands
-    separators, a $ and markdown bold allowed); otherwise the last number in the text."""
+    """A text's final answer as a Decimal (18 = 18.0), or None: gsm8k, the number after '#### ' (thousands separators,
+    $ and bold allowed); otherwise the last number."""
     found = re.findall(rf"####[\s*$]*({NUMBER})" if reward_fn == "gsm8k" else NUMBER, text)
     return decimal.Decimal(found[0 if reward_fn == "gsm8k" else -1].replace(",", "")) if found else None
 
 
 def verifier_reward(completion, answer, reward_fn):
-    """1.0 if the completion's answer is right, else 0.0: exact_match compares the stripped texts, last_number and
-    gsm8k the parsed answers (the answer may be a whole GSM8K solution)."""
+    """1.0 if the completion's answer is right, else 0.0: exact_match compares stripped texts, the others parsed
+    answers (the answer may be a whole GSM8K solution)."""
     if reward_fn == "exact_match":
         return float(completion.strip() == answer.strip())
     got = parse_answer(completion, reward_fn)
@@ -213,12 +212,10 @@ def verifier_reward(completion, answer, reward_fn):
 
 
 def group_advantages(rewards, num_tokens, num_generations, args):
-    """One advantage per completion, for each of its tokens (outcome supervision, Sec. 4.1.2 of arXiv:2402.03300),
-    groups being consecutive rows. grpo: (r - group mean) / (std + 1e-4), the sample std of the group, the rollout
-    (batch), both in turn (group_then_batch), or none (Dr. GRPO). rloo: r - the mean of the other G - 1
-    (arXiv:2402.14740). Both give a group of equal rewards exactly 0. reinforce_plus_plus: r whitened over the
-    rollout's tokens (arXiv:2501.03262); _baseline: r - group mean, then whitened (verl's masked_whiten). Also:
-    whether each group's rewards are all equal."""
+    """A completion's advantage for all its tokens (Sec. 4.1.2 of arXiv:2402.03300), groups of consecutive rows. grpo:
+    (r - group mean) / (std + 1e-4), std of the group, the rollout (batch) or none (Dr. GRPO); rloo: r - the others'
+    mean (arXiv:2402.14740); both 0 for equal rewards. reinforce_plus_plus: r whitened over the rollout's tokens
+    (arXiv:2501.03262); _baseline: r - group mean, whitened. Also which groups are all equal."""
     groups = rewards.view(-1, num_generations)
     zero_std = groups.max(1).values == groups.min(1).values
     advantages = groups - groups.mean(1, keepdim=True)
@@ -230,21 +227,16 @@ def group_advantages(rewards, num_tokens, num_generations, args):
         return ((x - mean) * torch.rsqrt(variance + 1e-8)).to(rewards.dtype), zero_std
     if args.advantage_estimator == "rloo":  # G / (G - 1) (r - group mean)
         advantages = advantages * num_generations / (num_generations - 1)
-    elif args.scale_rewards in ("group", "group_then_batch"):
+    elif args.scale_rewards == "group":
         advantages = advantages / (groups.std(1, keepdim=True) + 1e-4)
     elif args.scale_rewards == "batch":
         advantages = advantages / (rewards.std() + 1e-4)
-    advantages = advantages.masked_fill(zero_std[:, None], 0.0).flatten()
-    if args.scale_rewards == "group_then_batch":  # its mean over the rollout is 0 already
-        advantages = advantages / (advantages.std() + 1e-4)
-    return advantages, zero_std
+    return advantages.masked_fill(zero_std[:, None], 0.0).flatten(), zero_std
 
 
 def rejection_sample(rewards, keep, beta, generator):
-    """Statistical rejection sampling (Algorithm 1 of arXiv:2309.06657) of each row of `rewards`, a prompt's
-    candidates: over those not yet kept, in a random order, keep each with probability exp((r - r_max) / beta),
-    r_max their highest reward, pass after pass until `keep` are kept. beta -> 0 keeps the best, beta -> inf `keep`
-    at random. Returns the kept (row x candidates + candidate), in order."""
+    """RSO's Algorithm 1 (arXiv:2309.06657) on each row of `rewards` (a prompt's candidates): pass after pass over those
+    left, in a random order, keep each with probability exp((r - r_max) / beta) until `keep` are; flat indices."""
     if not (torch.isfinite(rewards).all() and beta > 0):  # else a pass might keep no candidate, forever
         raise ValueError(f"rejection sampling needs finite rewards and a beta above 0, not {beta}")
     kept = []
@@ -260,11 +252,17 @@ def rejection_sample(rewards, keep, beta, generator):
     return kept
 
 
+def best_and_worst(rewards):
+    """Online DPO's pairs: each group's (row's) first best and first worst, as flat indices."""
+    pairs = torch.stack([rewards.argmax(1), rewards.argmin(1)], 1)
+    return (pairs + rewards.shape[1] * torch.arange(len(rewards))[:, None]).flatten().tolist()
+
+
 def kl_estimate(logps, ref_logps, old_logps, kl_estimator):
-    """Per-token estimate of KL(pi || pi_ref) from tokens sampled by pi_old, d = logp - logp_ref (Schulman,
-    http://joschu.net/blog/kl-approx.html). On-policy, k1 = d and k3 = exp(-d) - 1 + d (Eq. 4 of arXiv:2402.03300, never
-    negative) have the right expected value; k2 = d^2 / 2 the right expected gradient (k1's is 0, k3's that of
-    KL(pi_ref || pi)). k1_ratio = (pi / pi_old) d: the right value and gradient also off-policy (num_iterations > 1)."""
+    """Per-token estimate of KL(pi || pi_ref) on pi_old's tokens, d = logp - logp_ref (joschu.net/blog/kl-approx.html).
+    On-policy, k1 = d and k3 = exp(-d) - 1 + d (Eq. 4 of arXiv:2402.03300, never negative) have the right expected
+    value, k2 = d^2 / 2 the right gradient (k1's is 0, k3's that of KL(pi_ref || pi)); k1_ratio = (pi / pi_old) d both,
+    off-policy too."""
     d = logps - ref_logps
     if kl_estimator == "k1":
         return d
@@ -276,9 +274,10 @@ def kl_estimate(logps, ref_logps, old_logps, kl_estimator):
 
 
 def loss_normaliser(completion_mask, args):
-    """What a global mini-batch's summed loss is divided by, counted over all of it: its split cannot change the
-    update. token: its completion tokens (Eq. 12 of arXiv:2503.14476); sequence: its completions with a token in the
-    loss; constant: completions x max length."""
+    """What a global mini-batch's loss sum is divided by, counted over all of it (its split cannot change the update):
+    its tokens (Eq. 12 of arXiv:2503.14476), completions (sequence), completions x max length, pairs (online DPO)."""
+    if args.policy_loss == "dpo":
+        return completion_mask[:, 0].view(-1, 2).prod(1).sum().clamp(min=1)
     if args.loss_type == "token":
         return completion_mask.sum().clamp(min=1)
     if args.loss_type == "sequence":
@@ -288,8 +287,8 @@ def loss_normaliser(completion_mask, args):
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, args):
     """Eq. 3 of arXiv:2402.03300 as a loss: per token -min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A) (or
-    CISPO's) + beta KL, ratio = pi / pi_old (per token, or GSPO's per completion), summed over `mask` (sequence: each
-    completion's mean), over loss_normaliser. Returns it, the ratio and the policy loss."""
+    CISPO's) + beta KL, ratio = pi / pi_old (or GSPO's per completion), summed over `mask` (sequence: each
+    completion's mean), over `normaliser`. Also the ratio and the policy loss."""
     log_ratio, A = logps - old_logps, advantages[:, None]
     if args.importance_sampling_level == "sequence":  # GSPO, Eq. 7 of arXiv:2507.18071: one ratio per completion
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
@@ -305,53 +304,54 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, args):
     return (per_token * mask).sum() / normaliser, ratio, policy_loss
 
 
-def rewards_of(prompts, completions, answers, reward_model, tokenizer, pad_token_id, args):
-    """The reward in two columns: reward_fn_weight x verifier - missing_eos_penalty x (no EOS), and
-    reward_model_weight x reward model score. With a reward model, a collective: every rank calls it as often."""
-    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-    rewards = torch.tensor([args.reward_fn_weight * verifier_reward(t, a, args.reward_fn) if args.reward_fn else 0.0
-                            for t, a in zip(texts, answers)])
-    rewards -= args.missing_eos_penalty * torch.tensor([c[-1] != tokenizer.eos_token_id for c in completions]).float()
-    scores = torch.zeros_like(rewards)
-    if reward_model is not None:
-        device = next(reward_model.parameters()).device
-        ids, mask, _ = [t.to(device) for t in make_batch(prompts, completions, pad_token_id)]
-        scores = args.reward_model_weight * sequence_scores(reward_model, ids, mask)
-    return torch.stack([rewards.to(scores.device), scores], 1)
+def online_dpo_loss(logps, ref_logps, mask, normaliser, beta):
+    """DPO's -log sigmoid(beta h) (Eq. 7 of arXiv:2305.18290), h = log(pi / pi_ref) of the chosen minus the rejected's,
+    over rows (chosen, rejected), summed over pairs with both in `mask`, over `normaliser`; dpo.py's metrics."""
+    logps, ref_logps = (logps * mask).sum(1).view(-1, 2), (ref_logps * mask).sum(1).view(-1, 2)
+    rewards, in_loss = beta * (logps - ref_logps), mask[:, 0].view(-1, 2).prod(1) / normaliser  # no empty row
+    chosen, rejected = rewards.detach().unbind(1)
+    metrics = {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/accuracies": chosen > rejected,
+               "rewards/margins": chosen - rejected, "logps/chosen": logps[:, 0], "logps/rejected": logps[:, 1]}
+    loss = -torch.nn.functional.logsigmoid(rewards[:, 0] - rewards[:, 1])
+    return (loss * in_loss).sum(), {name: (value.detach() * in_loss).sum() for name, value in metrics.items()}
 
 
-@torch.no_grad()
-def evaluate(model, reward_model, test, tokenizer, pad_token_id, args):
-    """Mean reward of greedy completions of the test prompts, each rank its share (exact match: accuracy)."""
-    total = torch.zeros((), device=next(model.parameters()).device)
-    with unsharded(model, keep=not args.reshard_after_forward):
-        for rows, valid in rank_micro_batches(len(test["prompt"]), dist.get_rank(), args.world_size,
-                                              args.per_device_eval_batch_size):
-            prompts, answers = [test["prompt"][i] for i in rows], [test["answer"][i] for i in rows]
-            completions = generate_completions(model, prompts, args.max_completion_length, None,
-                                               tokenizer.eos_token_id, pad_token_id, args.cache_implementation)
-            rewards = rewards_of(prompts, completions, answers, reward_model, tokenizer, pad_token_id, args)
-            total += valid * rewards.sum().to(total.device)
-    dist.all_reduce(total)
-    return {"eval/scores": total.item() / len(test["prompt"])}
+def loss_temperature(args):
+    """The sampling one (pi / pi_old), but 1 in online DPO, as in DPO (sampling only picks the pairs)."""
+    return 1.0 if args.policy_loss == "dpo" else args.temperature
 
 
 @torch.no_grad()
 def rollout_rewards(rollout, reward_model, tokenizer, pad_token_id, args, device):
-    """Each completion's reward (rewards_of): each rank its share, summed over ranks; refused if not finite."""
-    rewards = torch.zeros(n := len(rollout["prompts"]), 2, device=device)
-    for rows, valid in rank_micro_batches(n, dist.get_rank(), args.world_size, args.local_rollout_forward_batch_size):
-        batch = [[rollout[name][i] for i in rows] for name in ("prompts", "completions", "answers")]
-        rewards[rows] += valid * rewards_of(*batch, reward_model, tokenizer, pad_token_id, args).to(device)
-    dist.all_reduce(rewards)
-    check_rewards(rewards, [f"--reward_fn {args.reward_fn}", f"--reward_model_path {args.reward_model_path}"])
-    return rewards.sum(1)
+    """reward_fn_weight x verifier - missing_eos_penalty x (no EOS) + reward_model_weight x the reward model's score
+    (each rank its share), refused if not finite; and which completions ended."""
+    texts = tokenizer.batch_decode(rollout["completions"], skip_special_tokens=True)
+    rewards = torch.tensor([args.reward_fn_weight * verifier_reward(t, a, args.reward_fn) if args.reward_fn else 0.0
+                            for t, a in zip(texts, rollout["answers"])], device=device)
+    ended = torch.tensor([c[-1] == tokenizer.eos_token_id for c in rollout["completions"]], device=device)
+    rewards -= args.missing_eos_penalty * (~ended).float()
+    scores, size = torch.zeros_like(rewards), args.local_rollout_forward_batch_size
+    if reward_model is not None:  # a collective: every rank scores as many micro-batches
+        for rows, valid in rank_micro_batches(len(texts), dist.get_rank(), args.world_size, size):
+            ids, mask, _ = batch_on(device, rollout["prompts"], rollout["completions"], rows, pad_token_id)
+            scores[rows] += valid * args.reward_model_weight * sequence_scores(reward_model, ids, mask)
+        dist.all_reduce(scores)
+    sources = [f"--reward_fn {args.reward_fn}", f"--reward_model_path {args.reward_model_path}"]
+    check_rewards(torch.stack([rewards, scores], 1), sources)
+    return rewards + scores, ended
+
+
+def evaluate(model, reward_model, test, tokenizer, pad_token_id, args):
+    """Mean reward of greedy completions of the test prompts (exact match: accuracy)."""
+    test = {"prompts": test["prompt"], "answers": test["answer"]}
+    test["completions"], _ = sample_rollout(model, test["prompts"], None, args, tokenizer.eos_token_id, pad_token_id)
+    rewards, _ = rollout_rewards(test, reward_model, tokenizer, pad_token_id, args, next(model.parameters()).device)
+    return {"eval/scores": rewards.mean().item()}
 
 
 @torch.no_grad()
 def score_rollout(model, ref_model, rollout, pad_token_id, args):
-    """The reference and old log-probs of a rollout's completions (old: with num_iterations > 1, else the loss uses
-    the current ones, detached): each rank its share, summed over ranks."""
+    """The reference and old (num_iterations > 1) log-probs of a rollout's completions: each rank its share."""
     prompts, completions, device = rollout["prompts"], rollout["completions"], next(model.parameters()).device
     n, width = len(prompts), args.max_completion_length
     ref_logps = torch.zeros(n, width, device=device) if ref_model is not None else None
@@ -361,7 +361,7 @@ def score_rollout(model, ref_model, rollout, pad_token_id, args):
         cols = completion_mask.shape[1]
         for table, net in ((ref_logps, ref_model), (old_logps, model)):
             if table is not None:
-                logps = completion_logprobs(net, input_ids, attention_mask, cols, args.temperature)
+                logps = completion_logprobs(net, input_ids, attention_mask, cols, loss_temperature(args))
                 table[rows, :cols] += valid * logps
     for table in (ref_logps, old_logps):
         if table is not None:
@@ -370,28 +370,35 @@ def score_rollout(model, ref_model, rollout, pad_token_id, args):
 
 
 def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token_id):
-    """One optimizer step's gradients from this rank's micro-batches of the global mini-batch `mini`, statistics
-    summed into `sums`. Returns this rank's part of the loss."""
+    """One optimizer step's gradients from this rank's micro-batches of the global mini-batch `mini`; statistics
+    summed into `sums`."""
     device, step_loss = next(model.parameters()).device, 0.0
     for micro in micro_batches(mini, args):
         input_ids, attention_mask, completion_mask = batch_on(device, rollout["prompts"], rollout["completions"], micro,
                                                               pad_token_id)
         width = completion_mask.shape[1]
         mask, A = rollout["loss_mask"][micro, :width], rollout["advantages"][micro, None]
-        logps, entropy = completion_logprobs(model, input_ids, attention_mask, width, args.temperature, True)
+        logps, entropy = completion_logprobs(model, input_ids, attention_mask, width, loss_temperature(args), True)
         old = rollout["old_logps"][micro, :width] if rollout["old_logps"] is not None else logps.detach()
         ref = rollout["ref_logps"][micro, :width] if rollout["ref_logps"] is not None else None
-        loss, ratio, policy_loss = grpo_loss(logps, old, ref, A[:, 0], mask, normaliser, args)
+        if args.policy_loss == "dpo":
+            loss, pair_stats = online_dpo_loss(logps, ref, mask, normaliser, args.beta)
+            ratio, policy_loss = torch.exp(logps - old).detach(), None
+        else:
+            (loss, ratio, policy_loss), pair_stats = grpo_loss(logps, old, ref, A[:, 0], mask, normaliser, args), {}
         loss.backward()
         step_loss += loss.detach()
-        with torch.no_grad():  # sums over the loss tokens, by metric name (window_metrics)
+        with torch.no_grad():  # sums over the loss tokens
             kl = kl_estimate(logps, ref, old, "k3") if ref is not None else 0 * logps  # k3 whatever the loss uses
             token_stats = {"loss/policy_avg": policy_loss, "policy/approxkl_avg": 0.5 * (logps - old) ** 2,
                            "objective/entropy": entropy, "val/ratio": ratio, "ratio_squared": ratio**2,
                            "clip_ratio/low": (ratio < 1 - args.epsilon) & (A < 0) & (args.policy_loss == "clip"),
                            "clip_ratio/high": (ratio > 1 + args.epsilon_high) & (A > 0), "objective/kl": kl}
             for name, values in token_stats.items():
-                sums[name] += (values * mask).sum()
+                if values is not None:  # None: online DPO's policy loss
+                    sums[name] += (values * mask).sum()
+            for name, value in pair_stats.items():  # online DPO's
+                sums[name] += value
             sums["loss"] += loss.detach()
             sums["tokens"] += mask.sum()
             sums["processed"] += attention_mask.sum()
@@ -399,62 +406,58 @@ def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token
 
 
 def window_metrics(w, steps, seconds, args):
-    """The metrics of the steps since the last log line, from their sums over ranks: the token statistics
-    (accumulate_gradients) per token in the loss, the KL per completion, the rest per step."""
+    """The metrics since the last log from their sums over ranks: per loss token, per completion (KL), per step."""
     tokens, per_token = max(w.pop("tokens"), 1.0), ("loss/", "policy/", "objective/entropy", "val/", "ratio_", "clip")
     metrics = {"tokens_per_second": w.pop("processed") / seconds,
                "objective/kl": w.pop("objective/kl") / steps / args.batch_size}
     metrics |= {name: value / (tokens if name.startswith(per_token) else steps) for name, value in w.items()}
     metrics["policy/clipfrac_avg"] = metrics["clip_ratio/low"] + metrics["clip_ratio/high"]
     metrics["val/ratio_var"] = metrics.pop("ratio_squared") - metrics["val/ratio"] ** 2
-    if args.beta > 0:
-        metrics["objective/non_score_reward"] = -args.beta * metrics["objective/kl"]
-        metrics["objective/rlhf_reward"] = metrics["objective/scores"] + metrics["objective/non_score_reward"]
     return metrics
 
 
 def rollout_metrics(rollout, rewards, lengths, ended, zero_std, tokenizer):
-    """The rollout's statistics under their metric names, and two completions of its first two groups."""
-    G = len(rewards) // len(zero_std)
+    """The rollout's statistics by metric name, and its first two completions."""
     stats = {"objective/scores": rewards.mean(), "completions/mean_length": lengths.float().mean(),
              "val/num_eos_tokens": ended.sum(), "completions/clipped_ratio": 1 - ended.float().mean(),
              "frac_reward_zero_std": zero_std.float().mean()}
     samples = [["prompt", "completion", "reward", "advantage"]]
     samples += [[tokenizer.decode(rollout["prompts"][i]), tokenizer.decode(rollout["completions"][i]),
-                 rewards[i].item(), rollout["advantages"][i].item()] for i in (0, 1, G, G + 1) if i < len(rewards)]
+                 rewards[i].item(), rollout["advantages"][i].item()] for i in (0, 1)]
     return stats, samples
 
 
 def main(args):
     # 1. distributed init, computed batch sizes, argument checks
     rank, world_size, device = setup(args)
-    G = args.num_generations
+    G, dpo = args.num_generations, args.policy_loss == "dpo"
     N = args.num_candidates = G if args.num_candidates is None else args.num_candidates
+    K = 2 if dpo else G  # a prompt's rows in the loss: online DPO's pair
     args.rollout_batch_size = args.batch_size * args.num_mini_batches
-    args.num_prompts_per_rollout = args.rollout_batch_size // G
     args.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    if args.rollout_batch_size % G:
-        raise ScriptError(f"--num_generations {G} does not divide a rollout's {args.rollout_batch_size} completions: "
-                          f"{world_size} processes x --per_device_train_batch_size x --gradient_accumulation_steps x "
-                          "--num_mini_batches")
-    if N < G:
-        raise ScriptError(f"--num_candidates {N}: must be at least --num_generations {G}")
-    if (N > G) != (args.rejection_sampling_beta is not None):
-        raise ScriptError(f"--num_candidates {N}, --num_generations {G}: rejection sampling needs both "
-                          "--num_candidates above G and --rejection_sampling_beta")
+    if dpo and (args.beta == 0 or args.per_device_train_batch_size % 2):
+        raise ScriptError(f"--policy_loss dpo needs --beta above 0 and an even --per_device_train_batch_size, not "
+                          f"{args.beta} and {args.per_device_train_batch_size}")
+    if args.rollout_batch_size % K:
+        raise ScriptError(f"--num_generations {G} does not divide a rollout's {args.rollout_batch_size} completions "
+                          f"({world_size} processes x --per_device_train_batch_size x --gradient_accumulation_steps x "
+                          "--num_mini_batches)")
+    if N < G or (N > G) != (args.rejection_sampling_beta is not None):
+        raise ScriptError(f"--num_candidates {N}, --num_generations {G}: rejection sampling needs --num_candidates "
+                          "above G and --rejection_sampling_beta")
     if args.reward_fn is None and args.reward_model_path is None:
         raise ScriptError("no reward: set --reward_fn, --reward_model_path, or both")
     if args.scale_rewards != "group" and args.advantage_estimator != "grpo":
         raise ScriptError(f"--scale_rewards applies to --advantage_estimator grpo only, not {args.advantage_estimator}")
 
-    # 2. data: every rank tokenises the same prompts, so each knows the whole rollout
+    # 2. data: every rank tokenises all prompts, so each knows the whole rollout
     tokenizer, pad_token_id, train, test, dropped = load_data(args, tokenize_prompts)
-    num_rollouts, steps_per_rollout = rollouts_of(len(train["prompt"]), G, args.num_iterations, args, dropped)
+    num_rollouts, steps_per_rollout = rollouts_of(len(train["prompt"]), K, args.num_iterations, args, dropped)
 
     # 3. models + FSDP2: the policy, then the frozen reference (the SFT model) and reward model
     path, flag = args.model_name_or_path, "--model_name_or_path"
     model = load_model(AutoModelForCausalLM, path, args, flag, device)
-    # with beta 0 the KL term is gone, and so is the reference model
+    # beta 0: no KL term, no reference model
     ref_model = load_model(AutoModelForCausalLM, path, args, flag, device, frozen=True) if args.beta > 0 else None
     reward_model = load_reward_model(args, tokenizer, device) if args.reward_model_path else None
 
@@ -463,40 +466,44 @@ def main(args):
     metrics_path, progress = open_metrics(args, start_step)
 
     # 5. training loop: a rollout, then num_iterations x num_mini_batches optimizer steps
-    sums = collections.defaultdict(lambda: torch.zeros((), device=device))  # this rank's, since the last log line
+    sums = collections.defaultdict(lambda: torch.zeros((), device=device))  # this rank's, since the last log
     logged, window_start = start_step, time.time()
     for rollout_index in range(start_step // steps_per_rollout, num_rollouts):
         rollout_start = time.time()
-        # ALGO LOGIC: 1. the rollout's prompts, each num_candidates (N) times, consecutive rows
-        rows = [row for row in global_batch(rollout_index, len(train["prompt"]), args.num_prompts_per_rollout,
+        # ALGO LOGIC: 1. the rollout's prompts, each N times, consecutive rows
+        rows = [row for row in global_batch(rollout_index, len(train["prompt"]), args.rollout_batch_size // K,
                                             args.seed) for _ in range(N)]
         rollout = {"prompts": [train["prompt"][row] for row in rows], "answers": [train["answer"][row] for row in rows]}
 
-        # 2. sample the completions (seeded by rollout and chunk; the parameters gathered once)
+        # 2. sample the completions (seeded by rollout and chunk)
         rollout["completions"], lengths = sample_rollout(model, rollout["prompts"], rollout_index, args,
                                                          tokenizer.eos_token_id, pad_token_id)
 
-        # 3. the rewards; of N > G candidates a prompt, rejection sampling keeps G (the same on every rank)
-        rewards = rollout_rewards(rollout, reward_model, tokenizer, pad_token_id, args, device)
+        # 3. the rewards; rejection sampling keeps G of N > G candidates; online DPO their best and worst
+        rewards, ended = rollout_rewards(rollout, reward_model, tokenizer, pad_token_id, args, device)
         candidate_scores = {"objective/candidate_scores": rewards.mean()} if N > G else {}
-        if N > G:  # the group is no longer a sample of the policy: the gradient is not the policy's
+        kept = list(range(len(rewards)))
+        if N > G:  # no longer a sample of the policy: not the policy's gradient
             generator = torch.Generator().manual_seed((args.seed * 100_003 + rollout_index) * 100_003 - 1)
             kept = rejection_sample(rewards.view(-1, N).cpu(), G, args.rejection_sampling_beta, generator)
-            rollout = {name: [column[i] for i in kept] for name, column in rollout.items()}
-            rewards, lengths = rewards[kept], lengths[kept]
+        if dpo:  # chosen, rejected: the same on any number of processes
+            kept = [kept[i] for i in best_and_worst(rewards[kept].view(-1, G).cpu())]
+        rollout = {name: [column[i] for i in kept] for name, column in rollout.items()}
+        rewards, lengths, ended = rewards[kept], lengths[kept], ended[kept]
         rollout["ref_logps"], rollout["old_logps"] = score_rollout(model, ref_model, rollout, pad_token_id, args)
 
         # 4. the tokens in the loss, and the advantages
-        ended = torch.tensor([c[-1] == tokenizer.eos_token_id for c in rollout["completions"]], device=device)
         rollout["loss_mask"] = (torch.arange(args.max_completion_length, device=device) < lengths[:, None]).float()
         if args.mask_truncated_completions:
             rollout["loss_mask"] *= ended[:, None]
-        rollout["advantages"], zero_std = group_advantages(rewards, rollout["loss_mask"].sum(1), G, args)
+        rollout["advantages"], zero_std = group_advantages(rewards, rollout["loss_mask"].sum(1), K, args)
+        if dpo:  # equal rewards: no preference
+            rollout["loss_mask"] *= ~zero_std.repeat_interleave(2)[:, None]
         stats, samples = rollout_metrics(rollout, rewards, lengths, ended, zero_std, tokenizer)
         stats |= candidate_scores | {"time/rollout": time.time() - rollout_start}
 
         # 5. num_iterations passes over the rollout, each in num_mini_batches optimizer steps
-        for k, mini in enumerate(rollout_mini_batches(rollout_index, args.num_iterations, args)):
+        for k, mini in enumerate(rollout_mini_batches(rollout_index, args.num_iterations, args, K if dpo else 1)):
             update_start = time.time()
             normaliser = loss_normaliser(rollout["loss_mask"][mini], args)  # a count over the global mini-batch
             step_loss = accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token_id)
@@ -907,17 +914,19 @@ def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_
 
 def sample_rollout(model, prompts, rollout, args, eos_token_id, pad_token_id):
     """Completions in chunks round-robin over the ranks, each seeded by (seed, rollout, chunk): the same on any
-    number of processes, and on resume."""
-    device, rank = next(model.parameters()).device, dist.get_rank()
-    n, width, chunk_size = len(prompts), args.max_completion_length, args.local_rollout_forward_batch_size
+    number of processes, and on resume. Rollout None: greedy, in evaluation's chunks."""
+    device, rank, greedy = next(model.parameters()).device, dist.get_rank(), rollout is None
+    n, width = len(prompts), args.max_completion_length
+    chunk_size = args.per_device_eval_batch_size if greedy else args.local_rollout_forward_batch_size
     completion_ids = torch.zeros(n, width, dtype=torch.long, device=device)
     lengths = torch.zeros(n, dtype=torch.long, device=device)
     with unsharded(model, keep=not args.reshard_after_forward):
         for chunk, start in enumerate(range(0, n, chunk_size)):
             if chunk % args.world_size == rank:
-                torch.manual_seed((args.seed * 100_003 + rollout) * 100_003 + chunk)
-                completions = generate_completions(model, prompts[start : start + chunk_size], width, args.temperature,
-                                                   eos_token_id, pad_token_id, args.cache_implementation)
+                torch.manual_seed((args.seed * 100_003 + (rollout or 0)) * 100_003 + chunk)
+                completions = generate_completions(model, prompts[start : start + chunk_size], width,
+                                                   None if greedy else args.temperature, eos_token_id, pad_token_id,
+                                                   args.cache_implementation)
                 for i, completion in enumerate(completions, start):
                     completion_ids[i, : len(completion)] = torch.tensor(completion)
                     lengths[i] = len(completion)
@@ -926,11 +935,13 @@ def sample_rollout(model, prompts, rollout, args, eos_token_id, pad_token_id):
     return [completion_ids[i, :length].tolist() for i, length in enumerate(lengths.tolist())], lengths
 
 
-def rollout_mini_batches(rollout, passes, args):
-    """`passes` passes over a rollout, each in a fresh order, cut into num_mini_batches."""
+def rollout_mini_batches(rollout, passes, args, group=1):
+    """`passes` passes over a rollout, each in a fresh order of its groups of consecutive rows, cut into
+    num_mini_batches."""
     for iteration in range(passes):
         seed = (args.seed * 100_003 + rollout) * 100_003 + iteration
-        order = torch.randperm(args.rollout_batch_size, generator=torch.Generator().manual_seed(seed)).tolist()
+        order = torch.randperm(args.rollout_batch_size // group, generator=torch.Generator().manual_seed(seed))
+        order = (order[:, None] * group + torch.arange(group)).flatten().tolist()
         for k in range(args.num_mini_batches):
             yield order[k * args.batch_size : (k + 1) * args.batch_size]
 

@@ -133,7 +133,7 @@ class Args:
 
     # RL: rollouts and rewards
     max_prompt_length: AtLeast1 = 512
-    """longer prompts (in tokens) are dropped, and counted"""
+    """longer prompts (tokens) are dropped, and counted"""
     max_completion_length: AtLeast1 = 256
     """new tokens per completion (one without the stop token by then is truncated)"""
     num_ppo_epochs: AtLeast1 = 4
@@ -149,7 +149,7 @@ class Args:
     prompt_column: str = "prompt"
     """the dataset column of the prompts"""
     reward_model_path: str = "runs/reward"
-    """the reward model folder written by reward.py (the policy's tokenizer)"""
+    """the reward model folder written by reward.py"""
     value_model_path: Optional[str] = None
     """the value model's starting point (default: the reward model)"""
     stop_token: Optional[str] = None
@@ -182,15 +182,15 @@ class Args:
 
 def token_values(model, input_ids, attention_mask, completion_width):
     """The value model's V(s_t) for each of the last `completion_width` tokens: its score at the position before
-    token t (score_bias included: a copy of the reward model starts as its score)."""
+    token t (score_bias included)."""
     return head_scores(model, input_ids, attention_mask)[:, -completion_width - 1 : -1]
 
 
 def kl_estimate(logps, ref_logps, old_logps, kl_estimator):
-    """Per-token estimate of KL(pi || pi_ref) from tokens sampled by pi_old, d = logp - logp_ref (Schulman,
-    http://joschu.net/blog/kl-approx.html). On-policy, k1 = d and k3 = exp(-d) - 1 + d (Eq. 4 of arXiv:2402.03300, never
-    negative) have the right expected value; k2 = d^2 / 2 the right expected gradient (k1's is 0, k3's that of
-    KL(pi_ref || pi)). k1_ratio = (pi / pi_old) d: the right value and gradient also off-policy (num_iterations > 1)."""
+    """Per-token estimate of KL(pi || pi_ref) on pi_old's tokens, d = logp - logp_ref (joschu.net/blog/kl-approx.html).
+    On-policy, k1 = d and k3 = exp(-d) - 1 + d (Eq. 4 of arXiv:2402.03300, never negative) have the right expected
+    value, k2 = d^2 / 2 the right gradient (k1's is 0, k3's that of KL(pi_ref || pi)); k1_ratio = (pi / pi_old) d both,
+    off-policy too."""
     d = logps - ref_logps
     if kl_estimator == "k1":
         return d
@@ -250,8 +250,8 @@ def adapt_kl_coef(kl_coef, kl, num_samples, args):
 
 def ppo_loss(logps, old_logps, values, old_values, advantages, returns, mask, normaliser, args):
     """PPO's clipped policy loss (Eq. 7 of arXiv:1707.06347) + vf_coef x the clipped value loss, per token, summed
-    over `mask` / `normaliser` (the global mini-batch's completion tokens). Returns the loss and, per token, the
-    ratio, the policy loss, the value loss and which of them were clipped."""
+    over `mask` / `normaliser` (the global mini-batch's completion tokens). Also, per token, the ratio, both losses
+    and which were clipped."""
     ratio = torch.exp(logps - old_logps)
     policy_losses = -advantages * ratio, -advantages * ratio.clamp(1 - args.cliprange, 1 + args.cliprange)
     values_clipped = old_values + (values - old_values).clamp(-args.cliprange_value, args.cliprange_value)
@@ -264,18 +264,16 @@ def ppo_loss(logps, old_logps, values, old_values, advantages, returns, mask, no
 @torch.no_grad()
 def evaluate(model, reward_model, test, stop_token_id, pad_token_id, args):
     """Mean reward-model score (missing-EOS penalty included) of greedy completions of the test prompts."""
-    total = torch.zeros((), device=next(model.parameters()).device)
-    with unsharded(model, keep=not args.reshard_after_forward):
-        for rows, valid in rank_micro_batches(len(test["prompt"]), dist.get_rank(), args.world_size,
-                                              args.per_device_eval_batch_size):
-            prompts = [test["prompt"][i] for i in rows]
-            completions = generate_completions(model, prompts, args.max_completion_length, None, stop_token_id,
-                                               pad_token_id, args.cache_implementation)
-            input_ids, attention_mask, _ = batch_on(total.device, prompts, completions, range(len(rows)), pad_token_id)
-            scores = sequence_scores(reward_model, input_ids, attention_mask)
-            total += valid * penalised_scores(scores, completions, stop_token_id, args.missing_eos_penalty)[0].sum()
+    prompts, total = test["prompt"], torch.zeros((), device=next(model.parameters()).device)
+    completions, _ = sample_rollout(model, prompts, None, args, stop_token_id, pad_token_id)
+    size = args.per_device_eval_batch_size
+    for rows, valid in rank_micro_batches(len(prompts), dist.get_rank(), args.world_size, size):
+        input_ids, attention_mask, _ = batch_on(total.device, prompts, completions, rows, pad_token_id)
+        scores = sequence_scores(reward_model, input_ids, attention_mask)
+        penalised, _ = penalised_scores(scores, [completions[i] for i in rows], stop_token_id, args.missing_eos_penalty)
+        total += valid * penalised.sum()
     dist.all_reduce(total)
-    return {"eval/scores": total.item() / len(test["prompt"])}
+    return {"eval/scores": total.item() / len(prompts)}
 
 
 @torch.no_grad()
@@ -827,17 +825,19 @@ def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_
 
 def sample_rollout(model, prompts, rollout, args, eos_token_id, pad_token_id):
     """Completions in chunks round-robin over the ranks, each seeded by (seed, rollout, chunk): the same on any
-    number of processes, and on resume."""
-    device, rank = next(model.parameters()).device, dist.get_rank()
-    n, width, chunk_size = len(prompts), args.max_completion_length, args.local_rollout_forward_batch_size
+    number of processes, and on resume. Rollout None: greedy, in evaluation's chunks."""
+    device, rank, greedy = next(model.parameters()).device, dist.get_rank(), rollout is None
+    n, width = len(prompts), args.max_completion_length
+    chunk_size = args.per_device_eval_batch_size if greedy else args.local_rollout_forward_batch_size
     completion_ids = torch.zeros(n, width, dtype=torch.long, device=device)
     lengths = torch.zeros(n, dtype=torch.long, device=device)
     with unsharded(model, keep=not args.reshard_after_forward):
         for chunk, start in enumerate(range(0, n, chunk_size)):
             if chunk % args.world_size == rank:
-                torch.manual_seed((args.seed * 100_003 + rollout) * 100_003 + chunk)
-                completions = generate_completions(model, prompts[start : start + chunk_size], width, args.temperature,
-                                                   eos_token_id, pad_token_id, args.cache_implementation)
+                torch.manual_seed((args.seed * 100_003 + (rollout or 0)) * 100_003 + chunk)
+                completions = generate_completions(model, prompts[start : start + chunk_size], width,
+                                                   None if greedy else args.temperature, eos_token_id, pad_token_id,
+                                                   args.cache_implementation)
                 for i, completion in enumerate(completions, start):
                     completion_ids[i, : len(completion)] = torch.tensor(completion)
                     lengths[i] = len(completion)
@@ -846,11 +846,13 @@ def sample_rollout(model, prompts, rollout, args, eos_token_id, pad_token_id):
     return [completion_ids[i, :length].tolist() for i, length in enumerate(lengths.tolist())], lengths
 
 
-def rollout_mini_batches(rollout, passes, args):
-    """`passes` passes over a rollout, each in a fresh order, cut into num_mini_batches."""
+def rollout_mini_batches(rollout, passes, args, group=1):
+    """`passes` passes over a rollout, each in a fresh order of its groups of consecutive rows, cut into
+    num_mini_batches."""
     for iteration in range(passes):
         seed = (args.seed * 100_003 + rollout) * 100_003 + iteration
-        order = torch.randperm(args.rollout_batch_size, generator=torch.Generator().manual_seed(seed)).tolist()
+        order = torch.randperm(args.rollout_batch_size // group, generator=torch.Generator().manual_seed(seed))
+        order = (order[:, None] * group + torch.arange(group)).flatten().tolist()
         for k in range(args.num_mini_batches):
             yield order[k * args.batch_size : (k + 1) * args.batch_size]
 

@@ -6,7 +6,6 @@ import os
 import runpy
 import sys
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 if __name__ == "__main__":

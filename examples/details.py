@@ -1,7 +1,7 @@
 """What each detail changes, measured on the offline toy task. Every run is one of the scripts with its own flags:
 this file only picks the flags, reads each run's metrics.jsonl, scores the final models and draws.
 
-    python examples/details.py          # about 14.5 minutes on 2 CPU cores: runs/details/*.png and table.md
+    python examples/details.py          # about 23 minutes on 2 CPU cores: runs/details/*.png and table.md
     FAST=1 python examples/details.py   # 2 steps of each run, one seed, one process (what a test runs)
 
 It starts from the quickstart's SFT and reward models (QS, default runs/quickstart: sft/ and reward/), training them
@@ -13,6 +13,7 @@ PARALLEL (default 1; 2 when NPROC is 1) runs at a time.
 
 import json
 import os
+import random
 import shlex
 import shutil
 import subprocess
@@ -21,7 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from toy_task import greedy_scores, load_causal_lm, write_toy_task  # noqa: E402
+from quickstart_report import learning_curve  # noqa: E402
+from toy_task import demonstrators_mistake, greedy_scores, load_causal_lm, other_mistake, write_toy_task  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = os.environ.get("FAST") == "1"
@@ -52,6 +54,7 @@ def run(script, folder, *flags):
         if result.returncode:
             sys.exit(f"{shlex.join(command)} failed: see {folder}.log")
         open(stamp, "w").write(shlex.join(command))
+        open(os.path.join(folder, "seconds.txt"), "w").write(f"{time.time() - start:.1f}")
         print(f"{os.path.relpath(folder, OUT)}: {time.time() - start:.0f} s", flush=True)
     return [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
 
@@ -65,6 +68,22 @@ def base_models():
         f"--max_steps {steps(300, 10)} {common}".split())
     run("reward.py", f"{QS}/reward", *f"--model_name_or_path {QS}/sft --dataset_name {TOY}/preference "
         f"--learning_rate 3e-4 --num_train_epochs 2 --max_steps {steps(-1, 5)} {common}".split())
+    write_slips()
+
+
+def write_slips():
+    """TOY/preference_slips: the training prompts, the right answer chosen and, for every prompt, a random slip
+    rejected (other_mistake: never the SFT model's own mistake, the dropped leading 0)."""
+    rng, rows = random.Random(0), []
+    for line in open(os.path.join(TOY, "prompts", "train.jsonl")):
+        row = json.loads(line)
+        slip = other_mistake(rng, row["answer"])
+        while slip in (row["answer"], demonstrators_mistake(row["answer"])):
+            slip = other_mistake(rng, row["answer"])
+        rows.append({"prompt": row["prompt"], "chosen": " " + row["answer"], "rejected": " " + slip})
+    os.makedirs(os.path.join(TOY, "preference_slips"), exist_ok=True)
+    with open(os.path.join(TOY, "preference_slips", "train.jsonl"), "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 def grpo(name, seed, *flags):
@@ -93,15 +112,26 @@ def ppo(name, seed, *flags):
 
 
 def exact_match(name, seed):
-    """Greedy exact match of a run's final model on the toy test prompts: all, the flawed subset, the others."""
+    """Greedy exact match of a run's final model on the toy test prompts (all, the flawed subset, the others), and
+    [(step, exact match of all)] at each of its checkpoints, if any, from the SFT model's at step 0."""
     rows = [json.loads(line) for line in open(os.path.join(TOY, "prompts", "test.jsonl"))]
     model, tok = load_causal_lm(f"{OUT}/{name}_s{seed}")
-    return greedy_scores(model, tok, rows)
+    final = greedy_scores(model, tok, rows)
+    if not os.path.isdir(f"{OUT}/{name}_s{seed}/checkpoints"):
+        return final, []
+    start = (0, greedy_scores(*load_causal_lm(f"{QS}/sft"), rows))
+    return final, [(step, scores["exact_match"]) for step, scores in learning_curve(model, tok, f"{OUT}/{name}_s{seed}",
+                                                                                    rows, start)]
 
 
 # Each finding: (its name, a title that reads alone, the runs as (label, runner, flags), the metrics to draw, what
-# the table reports). The runs share folders by name: "grpo_base" is the quickstart's GRPO at 20 steps.
+# the table reports). The runs share folders by name: "grpo_base" is the quickstart's GRPO at 20 steps. A flag given
+# after the runner's own overrides it (the last of a flag wins).
 BASE = ("grpo_base", grpo, [])
+# 30 steps, a checkpoint every 10 (the table scores each); online DPO: grpo.py's rollouts of 16 prompts x 8, each
+# group's best and worst completion a pair, beta and learning rate as the quickstart's DPO
+CURVE = ["--max_steps", steps(30), "--save_every", steps(10, 1)]
+ONLINE = ["--policy_loss", "dpo", "--beta", 1.0, "--gradient_accumulation_steps", 1, *CURVE]
 FINDINGS = [
     ("kl_estimator", "GRPO, beta 1: the KL estimator in the loss and KL(pi || pi_ref) (k3, logged)",
      [("k1", grpo, ["--beta", 1.0, "--kl_estimator", "k1"]), ("k2", grpo, ["--beta", 1.0, "--kl_estimator", "k2"]),
@@ -132,13 +162,22 @@ FINDINGS = [
       ("16 -> 4, beta 0.5", grpo, ["--num_generations", 4, "--num_candidates", 16, "--rejection_sampling_beta", 0.5]),
       ("16 -> 4, beta 2", grpo, ["--num_generations", 4, "--num_candidates", 16, "--rejection_sampling_beta", 2.0])],
      ["objective/scores", "eval/scores", "time/rollout"]),
+    ("online_dpo", "DPO on the policy's own samples, labelled by the reward model or the verifier (online), against "
+     "offline DPO and GRPO",
+     [("online DPO, reward model", grpo, [*ONLINE, "--reward_fn", "None", "--reward_model_path", f"{QS}/reward"]),
+      ("online DPO, verifier", grpo, ONLINE),
+      ("offline DPO, toy/preference", dpo, ["--beta", 1.0, "--learning_rate", 1e-4, *CURVE]),
+      ("offline DPO, random slips", dpo, ["--beta", 1.0, "--learning_rate", 1e-4, "--dataset_name",
+                                          f"{TOY}/preference_slips", *CURVE]),
+      ("GRPO", grpo, CURVE)],
+     ["rewards/margins", "logps/chosen", "logps/rejected"]),
 ]
 
 
 def folder_name(runner, flags):
     """A run's folder, named by its script and flags (the same for every finding that shares the run)."""
     return "grpo_base" if (runner, flags) == BASE[1:] else f"{runner.__name__}_" + "_".join(
-        str(f).lstrip("-") for f in flags)
+        os.path.basename(str(f)).lstrip("-") for f in flags)  # a path by its last name
 
 
 def main():
@@ -156,16 +195,18 @@ def main():
     for finding, title, runs, metrics in FINDINGS:
         results[finding] = {}
         table += [f"## {title}", "", "| run | seed | " + " | ".join(metrics) + " (last step) | exact match: all / "
-                  "flawed / other |", "|---" * (len(metrics) + 3) + "|"]
+                  "flawed / other | exact match at checkpoints | s/step (wall) |", "|---" * (len(metrics) + 5) + "|"]
         for label, runner, flags in runs:
             name = folder_name(runner, flags)
             for seed in SEEDS:
                 rows = runner(name, seed, *flags)
-                em = exact_match(name, seed) if runner is not ppo else None
-                results[finding].setdefault(label, []).append({"rows": rows, "exact_match": em})
-                last = " | ".join(f"{rows[-1][m]:.4g}" for m in metrics)
+                em, curve = exact_match(name, seed) if runner is not ppo else (None, [])
+                results[finding].setdefault(label, []).append({"rows": rows, "exact_match": em, "curve": curve})
+                last = " | ".join(f"{rows[-1][m]:.4g}" if m in rows[-1] else "-" for m in metrics)
                 scores = " / ".join(f"{v:.3f}" for v in em.values()) if em else ""
-                table.append(f"| {label} | {seed} | {last} | {scores} |")
+                at = ", ".join(f"{step}: {v:.3f}" for step, v in curve) or "-"
+                per_step = float(open(f"{OUT}/{name}_s{seed}/seconds.txt").read()) / rows[-1]["step"]
+                table.append(f"| {label} | {seed} | {last} | {scores} | {at} | {per_step:.2f} |")
         table.append("")
         draw(finding, title, results[finding], metrics)
     seconds = time.time() - start
@@ -176,7 +217,8 @@ def main():
 
 
 def draw(finding, title, runs, metrics):
-    """One figure per finding: a panel per metric over the optimizer steps, a colour per run, a line per seed."""
+    """One figure per finding: a panel per metric over the optimizer steps (and the exact match at checkpoints, where
+    the runs have some), a colour per run, a line per seed."""
     try:
         import matplotlib
 
@@ -184,11 +226,16 @@ def draw(finding, title, runs, metrics):
         import matplotlib.pyplot as plt
     except ImportError:
         return print("matplotlib is not installed: no figure")
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.4), squeeze=False)
-    for ax, metric in zip(axes[0], metrics):
+    curves = any(seed["curve"] for seeds in runs.values() for seed in seeds)
+    panels = metrics + ["exact match at checkpoints"] * curves
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, metric in zip(axes[0], panels):
         for colour, (label, seeds) in enumerate(runs.items()):
             for k, seed in enumerate(seeds):
-                points = [(r["step"], r[metric]) for r in seed["rows"] if metric in r]
+                if metric in metrics:
+                    points = [(r["step"], r[metric]) for r in seed["rows"] if metric in r]
+                else:
+                    points = seed["curve"]
                 ax.plot(*zip(*points), color=f"C{colour}", alpha=0.85 if k == 0 else 0.45,
                         label=label if k == 0 else None)
         ax.set_title(metric, fontsize=10)

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from conftest import ROOT, read_metrics, run_in_process, run_script, run_scripts, tiny_gpt2
 from grpo import (
+    accumulate_gradients,
+    best_and_worst,
     completion_logprobs,
     generate_completions,
     grpo_loss,
@@ -25,8 +27,10 @@ from grpo import (
     kl_estimate,
     loss_normaliser,
     make_batch,
+    online_dpo_loss,
     parse_answer,
     rejection_sample,
+    score_rollout,
     shard_model,
     tokenize_prompts,
     unsharded,
@@ -184,12 +188,6 @@ def test_advantages_for_each_scale_rewards():
         advantages, zero_std = group_advantages(rewards, torch.ones(12), 4, args)
         assert advantages.tolist() == pytest.approx(values, abs=1e-6), scale
         assert zero_std.tolist() == [False, True, False]
-    # group_then_batch: the group's values above (a group of equal rewards at 0), then divided by their std over all
-    args = SimpleNamespace(advantage_estimator="grpo", scale_rewards="group_then_batch")
-    advantages, _ = group_advantages(rewards, torch.ones(12), 4, args)
-    in_groups = [0.0 if 4 <= i < 8 else v for i, v in enumerate(expected["group"])]
-    batch_std = statistics.stdev(in_groups)
-    assert advantages.tolist() == pytest.approx([v / (batch_std + 1e-4) for v in in_groups], abs=1e-6)
     # equal rewards give exactly 0, even where the float mean is not exact (3 x 0.1 / 3 != 0.1)
     rewards = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 0.5], dtype=torch.float64)
     for estimator in ("grpo", "rloo"):
@@ -279,6 +277,81 @@ def test_rejection_sampling_refuses_what_would_never_end():
         thread.start()
         thread.join(timeout=10)
         assert outcome and "needs finite rewards and a beta above 0" in outcome[0], (rewards, beta, outcome)
+
+
+# ---------------------------------------------------------------------------------------------- online DPO
+def test_online_dpo_pairs_the_best_and_the_worst_first_of_equals():
+    """Each group's chosen is its first highest reward, its rejected its first lowest; a group of equal rewards gives
+    a pair with no preference, which main marks (group_advantages over the pair: zero std) and the loss leaves out."""
+    rewards = torch.tensor([[0.5, 1.0, 1.0, 0.0], [2.0, 2.0, 2.0, 2.0], [3.0, -1.0, -1.0, 3.0]])
+    kept = best_and_worst(rewards)
+    assert kept == [1, 3, 4, 4, 8, 9]
+    _, no_pair = group_advantages(rewards.flatten()[kept], torch.ones(6), 2, loss_args(advantage_estimator="grpo",
+                                                                                       scale_rewards="group"))
+    assert no_pair.tolist() == [False, True, False]
+
+
+def test_online_dpo_loss_and_gradient_equal_trls():
+    """grpo.py's DPO loss on pairs of consecutive rows against TRL 1.16's DPOTrainer sigmoid loss and gradient on the
+    same log-probs (the reference of tests/test_variants.py, rows [chosen 0, rejected 0, chosen 1, ...]); two pairs
+    out of the loss (no preference; a truncated chosen) change neither; chosen and rejected swapped give another."""
+    reference = json.load(open(os.path.join(ROOT, "tests", "reference", "variants", "reference.json")))["dpo"]
+    inputs, case = reference["inputs"], reference["cases"]["sigmoid"]
+    pairs, width = len(inputs["chosen_lengths"]), inputs["width"]
+    order = [i + pairs * side for i in range(pairs) for side in (0, 1)]  # TRL's rows: the chosen, then the rejected
+    logps = torch.tensor(inputs["per_token_logps"], dtype=torch.float32)[order]
+    lengths = torch.tensor(inputs["chosen_lengths"] + inputs["rejected_lengths"])[order]
+    ref = torch.zeros_like(logps)
+    ref[:, 0] = torch.tensor(inputs["ref_chosen_logps"] + inputs["ref_rejected_logps"])[order]  # sums, in column 0
+    mask = (torch.arange(width) < lengths[:, None]).float()
+    logps, ref, mask = (torch.cat([t, t[:4]]) for t in (logps, ref, mask))  # two more pairs ...
+    mask[-4:-1] = 0  # ... out of the loss: no preference (both rows out), a truncated chosen (one row out)
+    logps.requires_grad_(True)
+    args = loss_args(policy_loss="dpo", beta=case["beta"])
+    loss, metrics = online_dpo_loss(logps, ref, mask, loss_normaliser(mask, args), args.beta)
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert loss_normaliser(mask, args).item() == pairs
+    assert abs(loss.item() - case["loss"]) < 1e-6
+    assert (grad[:-4] - torch.tensor(case["grad"])[order]).abs().max() < 1e-6 and not grad[-4:].any()
+    swapped = [i ^ 1 for i in range(2 * pairs + 4)]
+    assert abs(online_dpo_loss(logps[swapped], ref[swapped], mask, pairs, args.beta)[0].item() - case["loss"]) > 0.01
+
+
+def test_online_dpo_log_probs_at_temperature_1_whatever_the_sampling_one():
+    """Sampling at T = 0.5, the reference and old log-probs (score_rollout) and the loss's (accumulate_gradients) are
+    log_softmax(logits) in online DPO, as in DPO and TRL's OnlineDPOTrainer; GRPO's are log_softmax(logits / T)."""
+    policy, ref_model = tiny_gpt2(), tiny_gpt2()
+    with torch.no_grad():
+        for p in ref_model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    prompts, completions = [[1, 2, 3], [4, 5], [6], [7, 8]], [[9, 10, 11], [12], [13, 14], [15, 16, 17]]
+    rollout = {"prompts": prompts, "completions": completions}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        args = loss_args(policy_loss="dpo", beta=0.1, temperature=0.5, max_completion_length=3, num_iterations=2,
+                         world_size=1, local_rollout_forward_batch_size=4, per_device_train_batch_size=4,
+                         gradient_accumulation_steps=1)
+        ids, attention, completion_mask = make_batch(prompts, completions, 0)
+        at = {(net, t): completion_logprobs(net, ids, attention, 3, t).detach() for net in (policy, ref_model)
+              for t in (1.0, 0.5)}
+        for policy_loss, t in (("dpo", 1.0), ("clip", 0.5)):
+            args.policy_loss = policy_loss
+            ref_logps, old_logps = score_rollout(policy, ref_model, rollout, 0, args)
+            torch.testing.assert_close(ref_logps * completion_mask, at[ref_model, t] * completion_mask)
+            torch.testing.assert_close(old_logps * completion_mask, at[policy, t] * completion_mask)
+        args.policy_loss = "dpo"
+        rollout |= {"ref_logps": ref_logps * 0 + at[ref_model, 1.0], "old_logps": None, "loss_mask": completion_mask,
+                    "advantages": torch.zeros(4)}
+        sums = collections.defaultdict(lambda: torch.zeros(()))
+        loss = accumulate_gradients(policy, rollout, [0, 1, 2, 3], 2, args, sums, 0)
+        want = online_dpo_loss(at[policy, 1.0], at[ref_model, 1.0], completion_mask, 2, 0.1)[0]
+        assert abs(loss.item() - want.item()) < 1e-6
+        at_sampling_temperature = online_dpo_loss(at[policy, 0.5], at[ref_model, 0.5], completion_mask, 2, 0.1)[0]
+        assert abs(at_sampling_temperature.item() - want.item()) > 1e-4
+        chosen = (at[policy, 1.0] * completion_mask).sum(1)[0::2]  # dpo.py's metrics: a mean over the pairs
+        assert sums["logps/chosen"].item() == pytest.approx(chosen.mean().item(), rel=1e-5)
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------- verifiers
@@ -563,17 +636,20 @@ def test_bad_input(toy, tmp_path):
     (tmp_path / "no_answer.jsonl").write_text('{"prompt": "sort: 21 ->"}\n')
     for data, extra, message in [
         (tmp_path / "no_answer.jsonl", [], "and an 'answer' column (--prompt_column, --answer_column)"),
-        (toy / "prompts", ["--num_generations", 3], "--num_generations 3 does not divide a rollout's 16 completions: "
-         "1 processes x --per_device_train_batch_size x --gradient_accumulation_steps x --num_mini_batches"),
+        (toy / "prompts", ["--num_generations", 3], "--num_generations 3 does not divide a rollout's 16 completions "
+         "(1 processes x --per_device_train_batch_size x --gradient_accumulation_steps x --num_mini_batches)"),
         (toy / "prompts", ["--num_generations", 1], "--num_generations 1: must be at least 2"),
         (toy / "prompts", ["--reward_fn", "None"], "no reward"),
-        # four mistakes of rejection sampling, each its own message
+        # the mistakes of rejection sampling, by name
         (toy / "prompts", ["--num_candidates", 0], "--num_candidates 0: must be at least 1"),
         (toy / "prompts", ["--num_candidates", 16, "--rejection_sampling_beta", -1], "beta -1.0: must be above 0"),
         (toy / "prompts", ["--num_candidates", 16, "--rejection_sampling_beta", "nan"], "beta nan: not a number"),
-        (toy / "prompts", ["--num_candidates", 4], "--num_candidates 4: must be at least --num_generations 8"),
-        (toy / "prompts", ["--num_candidates", 16], "rejection sampling needs both --num_candidates above G"),
-        (toy / "prompts", ["--rejection_sampling_beta", 1], "rejection sampling needs both --num_candidates"),
+        (toy / "prompts", ["--num_candidates", 4], "--num_candidates 4, --num_generations 8: rejection sampling needs"),
+        (toy / "prompts", ["--num_candidates", 16], "needs --num_candidates above G and --rejection_sampling_beta"),
+        (toy / "prompts", ["--rejection_sampling_beta", 1], "rejection sampling needs --num_candidates above G"),
+        # online DPO: DPO's beta, and micro-batches of whole pairs
+        (toy / "prompts", ["--policy_loss", "dpo", "--beta", 0], "--policy_loss dpo needs --beta above 0"),
+        (toy / "prompts", ["--policy_loss", "dpo", "--per_device_train_batch_size", 3], "not 0.04 and 3"),
     ]:
         error, _ = run_in_process("grpo.py", grpo_args(toy / "model", data, tmp_path / "out", *extra))
         assert isinstance(error, ValueError) and message in str(error), (message, repr(error))
@@ -715,8 +791,6 @@ def test_grpo_raises_exact_match(toy, sft_model, tmp_path):
         "objective/scores",
         "objective/kl",
         "objective/entropy",
-        "objective/rlhf_reward",
-        "objective/non_score_reward",
         "policy/approxkl_avg",
         "policy/clipfrac_avg",
         "loss/policy_avg",

@@ -84,7 +84,7 @@ def test_quickstart_fast_mode(tmp_path, monkeypatch, capsys):
     assert "matplotlib is not installed" in capsys.readouterr().out
 
 
-def test_details_fast_mode(tmp_path):
+def test_details_fast_mode(tmp_path, monkeypatch):
     """examples/details.py in its fast mode (FAST=1: 2 steps of each run, one seed, one process a run, two runs at a
     time): it trains its SFT and reward models first, every run of every finding is the script with the finding's
     own flags, and each finding gets its table rows and (with matplotlib) its figure. What the findings show is
@@ -94,8 +94,10 @@ def test_details_fast_mode(tmp_path):
     command = [sys.executable, "examples/details.py"]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-8000:]
+    for name, value in (("FAST", "1"), ("OUT", str(out)), ("QS", str(qs)), ("TOY", str(toy))):
+        monkeypatch.setenv(name, value)  # FINDINGS (steps, paths in flags) as the fast run computed them
     sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import details
+    details = importlib.reload(importlib.import_module("details"))
 
     table = open(out / "table.md").read()
     assert read_metrics(qs / "sft")[-1]["step"] == 10 and read_metrics(qs / "reward")[-1]["step"] == 5

@@ -524,9 +524,7 @@ def test_computed_batch_sizes_are_not_flags(script, capsys):
 
     Args = importlib.import_module(script[:-3]).Args
     computed = ["world_size", "local_batch_size", "batch_size", "num_training_steps"]
-    computed += {"grpo.py": ["rollout_batch_size", "num_prompts_per_rollout"], "ppo.py": ["rollout_batch_size"]}.get(
-        script, []
-    )
+    computed += ["rollout_batch_size"] if script in ("grpo.py", "ppo.py") else []
     with pytest.raises(SystemExit):
         tyro.cli(Args, args=["--help"])
     listed = capsys.readouterr().out

@@ -1,8 +1,9 @@
-"""The training-loop invariants of DESIGN.md, for every script (sft.py, reward.py, dpo.py, grpo.py, ppo.py): the same
-global batch split three ways gives the same losses and weights (the third also with --no-reshard_after_forward); the
-LR schedule is exact and ends at the last optimizer step; a run stopped by SIGTERM or SIGKILL and resumed with
---resume_from auto continues bit for bit. grpo.py and ppo.py sample their own data: their rollouts do not depend on the
-number of processes (generation chunks are seeded by rollout and chunk), so the same comparisons hold."""
+"""The training-loop invariants of DESIGN.md, for every script (sft.py, reward.py, dpo.py, grpo.py and its online
+DPO, ppo.py): the same global batch split three ways gives the same losses and weights (the third also with
+--no-reshard_after_forward); the LR schedule is exact and ends at the last optimizer step; a run stopped by SIGTERM or
+SIGKILL and resumed with --resume_from auto continues bit for bit. grpo.py and ppo.py sample their own data: their
+rollouts do not depend on the number of processes (generation chunks are seeded by rollout and chunk), so the same
+comparisons hold."""
 
 import concurrent.futures
 import json
@@ -65,6 +66,9 @@ PPO = [
     4,
 ]
 RL = {"grpo.py": GRPO, "ppo.py": PPO}
+# online DPO in grpo.py: the same rollouts, each group's best and worst completion a pair (8 pairs a rollout); a
+# micro-batch holds whole pairs, so (2, 2, 2) stands in for (2, 1, 4)
+ONLINE_DPO = "grpo.py --policy_loss dpo"
 UNTIMED = lambda rows: [
     {k: v for k, v in r.items() if k != "tokens_per_second" and not k.startswith("time/")} for r in rows
 ]
@@ -96,23 +100,25 @@ def common_args(script, model, data_file, out):
     ] + RL.get(script, [])
 
 
-@pytest.fixture(scope="module", params=list(DATA))
+@pytest.fixture(scope="module", params=[*DATA, ONLINE_DPO])
 def split_runs(request, toy, tmp_path_factory):
-    """The same 12-step run of one script under each split."""
-    script = request.param
+    """The same 12-step run of one script (or online DPO) under each split. Returns the script, the model, the
+    folder, the runs by split and the arguments every run of it adds."""
+    script, *extra = request.param.split(" ")
     model = request.getfixturevalue("sft_model")[0] if script in RL else toy / "model"
-    reward = ["--reward_model_path", request.getfixturevalue("reward_model")[0]] if script == "ppo.py" else []
+    extra += ["--reward_model_path", request.getfixturevalue("reward_model")[0]] if script == "ppo.py" else []
+    splits = [(1, 8, 1), (2, 4, 1), (2, 2, 2)] if request.param == ONLINE_DPO else SPLITS
     root = tmp_path_factory.mktemp(script[:-3])
     rows = open(toy / DATA[script] / "train.jsonl").readlines()
     if script == "grpo.py":  # the SFT model is right elsewhere every time: groups of equal rewards would not move it
         rows = [row for row in rows if in_flawed_subset(json.loads(row)["prompt"])]
     rows = rows[:48]
     (root / "small.jsonl").write_text("".join(rows))
-    runs, launches = {split: root / "x".join(map(str, split)) for split in SPLITS}, []
+    runs, launches = {split: root / "x".join(map(str, split)) for split in splits}, []
     for (nproc, mb, ga), out in runs.items():
         args = (
             common_args(script, model, root / "small.jsonl", out)
-            + reward
+            + extra
             + ["--per_device_train_batch_size", mb, "--gradient_accumulation_steps", ga, "--save_every", 6]
         )
         if ga > 1:  # parameters kept gathered from forward to backward (and, grpo/ppo, from generation on): same run
@@ -126,7 +132,7 @@ def split_runs(request, toy, tmp_path_factory):
         assert "can cause backward to fail" not in result.stderr
         assert not re.search(rf"{script[:-3]}: +\d+%\|", result.stderr), result.stderr[-2000:]
         assert "Loading weights" not in result.stderr  # nor the libraries' bars
-    return script, model, root, runs, reward
+    return script, model, root, runs, extra
 
 
 def test_split_invariance(split_runs):
@@ -238,7 +244,7 @@ def test_sigterm_or_sigkill_then_resume_auto_continues_the_same_run(split_runs):
     end of the rollout's updates). SIGKILL (sft): nothing saved then; the run continues from the latest complete
     checkpoint of --save_every (every 6 steps), recomputing the lost steps. sft also continues a 2-process checkpoint on
     1 process (same global batch): the same run to the split tolerance."""
-    script, model, root, runs, reward = split_runs
+    script, model, root, runs, extra = split_runs
     straight = runs[(2, 4, 1)]
     rl = script in RL
     kills = [False, True] if script == "sft.py" else [False]
@@ -247,7 +253,7 @@ def test_sigterm_or_sigkill_then_resume_auto_continues_the_same_run(split_runs):
     outs = {kill: root / f"interrupted_{kill}" for kill in kills}
     args = {
         kill: common_args(script, model, root / "small.jsonl", outs[kill])
-        + reward
+        + extra
         + ["--per_device_train_batch_size", 4, "--save_every", 6, "--resume_from", "auto"]
         for kill in kills
     }
