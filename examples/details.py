@@ -1,7 +1,7 @@
 """What each detail changes, measured on the offline toy task. Every run is one of the scripts with its own flags:
 this file only picks the flags, reads each run's metrics.jsonl, scores the final models and draws.
 
-    python examples/details.py          # about 23 minutes on 2 CPU cores: runs/details/*.png and table.md
+    python examples/details.py          # about 22 minutes on 2 CPU cores: runs/details/*.png and table.md
     FAST=1 python examples/details.py   # 2 steps of each run, one seed, one process (what a test runs)
 
 It starts from the quickstart's SFT and reward models (QS, default runs/quickstart: sft/ and reward/), training them
