@@ -11,6 +11,7 @@ holds a finished model of the same command is not run again. NPROC (default 2; F
 PARALLEL (default 1; 2 when NPROC is 1) runs at a time.
 """
 
+import functools
 import json
 import os
 import random
@@ -111,17 +112,26 @@ def ppo(name, seed, *flags):
                f"--log_every 1 --seed {seed}".split(), *flags)
 
 
+def toy_test_rows():
+    return [json.loads(line) for line in open(os.path.join(TOY, "prompts", "test.jsonl"))]
+
+
+@functools.cache
+def sft_scores():
+    """The SFT model's greedy scores, where every learning curve starts: computed once."""
+    return greedy_scores(*load_causal_lm(f"{QS}/sft"), toy_test_rows())
+
+
 def exact_match(name, seed):
     """Greedy exact match of a run's final model on the toy test prompts (all, the flawed subset, the others), and
     [(step, exact match of all)] at each of its checkpoints, if any, from the SFT model's at step 0."""
-    rows = [json.loads(line) for line in open(os.path.join(TOY, "prompts", "test.jsonl"))]
-    model, tok = load_causal_lm(f"{OUT}/{name}_s{seed}")
+    folder, rows = f"{OUT}/{name}_s{seed}", toy_test_rows()
+    model, tok = load_causal_lm(folder)
     final = greedy_scores(model, tok, rows)
-    if not os.path.isdir(f"{OUT}/{name}_s{seed}/checkpoints"):
+    if not os.path.isdir(f"{folder}/checkpoints"):
         return final, []
-    start = (0, greedy_scores(*load_causal_lm(f"{QS}/sft"), rows))
-    return final, [(step, scores["exact_match"]) for step, scores in learning_curve(model, tok, f"{OUT}/{name}_s{seed}",
-                                                                                    rows, start)]
+    return final, [(step, scores["exact_match"]) for step, scores in learning_curve(model, tok, folder, rows,
+                                                                                    (0, sft_scores()))]
 
 
 # Each finding: (its name, a title that reads alone, the runs as (label, runner, flags), the metrics to draw, what

@@ -308,7 +308,7 @@ def test_online_dpo_loss_and_gradient_equal_trls():
     mask[-4:-1] = 0  # ... out of the loss: no preference (both rows out), a truncated chosen (one row out)
     logps.requires_grad_(True)
     args = loss_args(policy_loss="dpo", beta=case["beta"])
-    loss, metrics = online_dpo_loss(logps, ref, mask, loss_normaliser(mask, args), args.beta)
+    loss, _ = online_dpo_loss(logps, ref, mask, loss_normaliser(mask, args), args.beta)
     (grad,) = torch.autograd.grad(loss, logps)
     assert loss_normaliser(mask, args).item() == pairs
     assert abs(loss.item() - case["loss"]) < 1e-6
@@ -340,7 +340,7 @@ def test_online_dpo_log_probs_at_temperature_1_whatever_the_sampling_one():
             torch.testing.assert_close(ref_logps * completion_mask, at[ref_model, t] * completion_mask)
             torch.testing.assert_close(old_logps * completion_mask, at[policy, t] * completion_mask)
         args.policy_loss = "dpo"
-        rollout |= {"ref_logps": ref_logps * 0 + at[ref_model, 1.0], "old_logps": None, "loss_mask": completion_mask,
+        rollout |= {"ref_logps": at[ref_model, 1.0], "old_logps": None, "loss_mask": completion_mask,
                     "advantages": torch.zeros(4)}
         sums = collections.defaultdict(lambda: torch.zeros(()))
         loss = accumulate_gradients(policy, rollout, [0, 1, 2, 3], 2, args, sums, 0)
