@@ -3,8 +3,8 @@ reward beta * log(pi / pi_ref) replacing a reward model. Paper: arXiv:2305.18290
 (SLiC, arXiv:2305.10425) and conservative DPO (label smoothing). What differs from the paper: (1) the reference
 log-probabilities are computed once, before training, for the whole training split, and the reference model is freed
 (--no-precompute-ref-logps keeps it and recomputes them online; both give the same losses); (2) dropout is off in
-the policy, so the implicit reward is exactly 0 before the first step; (3) --loss_type ipo uses summed
-log-probabilities, as the other losses do; ipo_per_token averages them over tokens (TRL's ipo); (4) optional RPO term.
+the policy, so the implicit reward is exactly 0 before the first step; (3) IPO on summed log-probabilities (--loss_type
+ipo; TRL's, per token: ipo_per_token); (4) optional RPO term.
 Online DPO, on pairs the policy samples and a reward model or verifier labels: grpo.py --policy_loss dpo.
 Run (the toy task's command: README):
       torchrun --nproc_per_node 8 dpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
@@ -38,7 +38,6 @@ from safetensors import SafetensorError
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from tyro.conf import Suppress
@@ -121,10 +120,8 @@ class Args:
     # computed at start, not flags
     world_size: Resumable[Suppress[Optional[int]]] = None
     """(computed) processes"""
-    local_batch_size: Resumable[Suppress[Optional[int]]] = None
-    """(computed) per_device_train_batch_size x gradient_accumulation_steps"""
     batch_size: Suppress[Optional[int]] = None
-    """(computed) world_size x local_batch_size: an optimizer step's global batch"""
+    """(computed) an optimizer step's global batch: processes x micro-batch x accumulation steps"""
     num_training_steps: Suppress[Optional[int]] = None
     """(computed) the run's optimizer steps"""
     max_prompt_length: AtLeast1 = 512
@@ -133,17 +130,17 @@ class Args:
     """pairs with a longer completion (in tokens, EOS included) are dropped, and counted"""
 
     # DPO
-    beta: NonNegative = 0.1
+    beta: Positive = 0.1
     """strength of the KL regularisation to the reference: the implicit reward is beta * log(pi / pi_ref)"""
     loss_type: Literal["sigmoid", "ipo", "ipo_per_token", "hinge"] = "sigmoid"
-    """sigmoid: DPO; ipo: IPO (Eq. 17 of arXiv:2310.12036, summed log-ratios); ipo_per_token: each log-ratio over its
-    completion's length (TRL 1.16's ipo); hinge: SLiC (arXiv:2305.10425)"""
+    """sigmoid: DPO; ipo: IPO; ipo_per_token: IPO of each log-ratio over its completion's length (TRL's ipo); hinge:
+    SLiC"""
     label_smoothing: Annotated[float, ("in [0, 0.5)", lambda v: 0 <= v < 0.5)] = 0.0
     """assumed probability that a preference label is flipped (conservative DPO; sigmoid only)"""
     ref_model_name_or_path: Optional[str] = None
     """the reference model (default: model_name_or_path, the SFT model)"""
     rpo_alpha: NonNegative = 0.0
-    """weight of the chosen completion's per-token NLL added to the loss (RPO, arXiv:2404.19733; 0: plain DPO)"""
+    """weight of the chosen completion's per-token NLL in the loss (RPO; 0: plain DPO)"""
     precompute_ref_logps: bool = True
     """compute the reference log-probs once before training, then free the reference model (False: online)"""
 
@@ -186,8 +183,8 @@ def pair_logps(model, data, rows, pad_token_id):
 
 @torch.no_grad()
 def reference_table(ref_model, data, args, pad_token_id):
-    """The summed reference log-probs of the chosen and rejected completions of every row, a (rows, 2) table: each
-    rank its share, summed over ranks. The rows are always grouped the same way: the table is the same to the bit."""
+    """The summed reference log-probs of the chosen and rejected completions of every row, a (rows, 2) table, each
+    rank scoring its share; the rows always grouped the same way, so the same to the bit."""
     table = torch.zeros(len(data["prompt"]), 2, device=next(ref_model.parameters()).device)
     for rows, valid in rank_micro_batches(len(data["prompt"]), dist.get_rank(), args.world_size,
                                           args.per_device_eval_batch_size):
@@ -225,8 +222,6 @@ def evaluate(model, ref_model, table, test, args, pad_token_id):
 def main(args):
     # 1. distributed init, batch sizes, seeds, the guards
     rank, world_size, device = setup(args)
-    if args.beta <= 0:  # the implicit reward is beta x the log-ratio: with beta 0 the loss has no gradient
-        raise ScriptError(f"--beta {args.beta}: must be above 0")
     if args.label_smoothing > 0 and args.loss_type != "sigmoid":
         raise ScriptError(f"--label_smoothing applies to --loss_type sigmoid only, not {args.loss_type}")
 
@@ -288,9 +283,7 @@ def main(args):
             log_metrics(metrics, metrics_path, args, progress)
             sums, logged, window_start = collections.defaultdict(sums.default_factory), step, time.time()
         if stop or (args.save_every > 0 and step % args.save_every == 0):
-            folder = save_checkpoint(model, optimizer, scheduler, step, args, state)
-            if stop:  # a SIGTERM or SIGINT: the checkpoint is written
-                leave_after_signal(folder)
+            save_checkpoint(model, optimizer, scheduler, step, args, state, stop)
 
     # 6. save the Hugging Face folder
     finish(model, tokenizer, args, device)
@@ -311,8 +304,7 @@ def setup(args):
     args.resume_from = latest[0] if auto else args.resume_from
     guard_run(args, auto)
     args.world_size = world_size
-    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    args.batch_size = args.local_batch_size * world_size
+    args.batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
     torch.manual_seed(args.seed + rank)  # dropout (sft.py leaves it on)
     return rank, world_size, device
 
@@ -485,8 +477,8 @@ def make_batch(prompts, completions, pad_token_id):
 
 
 def load_pretrained(auto_class, path, args, flag, **options):
-    """auto_class.from_pretrained(path), refused naming `flag`. A model (fp32) is read by the first process alone,
-    the others build it on the meta device (shard_model sends their shards); with its load report."""
+    """auto_class.from_pretrained(path), refused naming `flag`. A model (fp32), with its load report, is read by
+    the first process alone; the others build it on the meta device."""
     check_local_path(path, flag, auto_class)
     if auto_class is AutoTokenizer:
         try:
@@ -558,8 +550,8 @@ def load_model(auto_class, path, args, flag, device, frozen=False):
 
 
 def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
-    """Log-probs of the last `completion_width` tokens from logits / temperature (and entropies). The model's
-    head runs on the last position only; head_logprobs does the rest in chunks."""
+    """Log-probs of the last `completion_width` tokens from logits / temperature (and entropies): the model's head
+    on the last position only, HeadLogprobs on the rest, HEAD_ROWS at a time."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
     hidden = []  # the decoder's output (output_hidden_states returns views, which FSDP2 warns of)
     hook = model.get_decoder().register_forward_hook(lambda module, inputs, output: hidden.append(output[0]))
@@ -568,24 +560,38 @@ def completion_logprobs(model, input_ids, attention_mask, completion_width, temp
     hook.remove()
     head = model.get_output_embeddings()
     check_linear_head(model, head, hidden[0][:, -1], logits[:, -1])
-    labels = input_ids[:, -completion_width:]
-    hidden = hidden[0][:, -completion_width - 1 : -1].flatten(0, 1)  # the state at t predicts token t + 1
-    parts = head_logprobs(hidden, head.weight, head.bias, labels.flatten(), temperature, with_entropy)
-    return [part.view(labels.shape) for part in parts] if with_entropy else parts[0].view(labels.shape)
+    labels, hidden = input_ids[:, -completion_width:], hidden[0][:, -completion_width - 1 : -1].flatten(0, 1)
+    params = [p / temperature for p in (head.weight, head.bias) if p is not None]  # a head for logits / T
+    chunks = [HeadLogprobs.apply(h, y, with_entropy, *params)  # the state at t predicts token t + 1
+              for h, y in zip(hidden.split(HEAD_ROWS), labels.flatten().split(HEAD_ROWS))]
+    logprobs, entropy = (torch.cat(parts).view(labels.shape) for parts in zip(*chunks))
+    return (logprobs, entropy) if with_entropy else logprobs
 
 
-def head_logprobs(hidden, weight, bias, labels, temperature, with_entropy=False, rows=512):
-    """log_softmax(head(hidden) / temperature) at `labels` (and entropies), `rows` at a time, recomputed in
-    the backward: autograd through all the (tokens, vocabulary) logits keeps four fp32 copies."""
-    chunks = [checkpoint(head_chunk, h, weight, bias, l, temperature, with_entropy, use_reentrant=False,
-                         preserve_rng_state=False) for h, l in zip(hidden.split(rows), labels.split(rows))]
-    return [torch.cat(parts) for parts in zip(*chunks)]
+HEAD_ROWS = 1024  # 0.9 GiB of logits for a vocabulary of 151,936
 
 
-def head_chunk(hidden, weight, bias, labels, temperature, with_entropy):
-    log_softmax = (torch.nn.functional.linear(hidden, weight, bias).float() / temperature).log_softmax(-1)
-    logprobs = log_softmax.gather(-1, labels[:, None])[:, 0]
-    return (logprobs, -(log_softmax.exp() * log_softmax).sum(-1).detach()) if with_entropy else (logprobs,)
+class HeadLogprobs(torch.autograd.Function):
+    """log_softmax(head(hidden)) at `labels` (and entropies, no gradient). The backward recomputes the softmax and
+    makes it the logits' gradient in place: autograd would keep and make (rows, vocabulary) tensors."""
+
+    @staticmethod
+    def forward(ctx, hidden, labels, with_entropy, weight, bias=None):
+        log_p = F.linear(hidden, weight, bias).log_softmax(-1, dtype=torch.float32)  # one kernel
+        logprobs = log_p.gather(1, labels[:, None])[:, 0]
+        entropy = -(log_p.exp() * log_p).sum(-1) if with_entropy else torch.zeros_like(logprobs)
+        ctx.save_for_backward(hidden, labels, logprobs, weight, bias)
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        hidden, labels, logprobs, weight, bias = ctx.saved_tensors
+        probs = F.linear(hidden, weight, bias).softmax(-1)  # in the weights' dtype
+        probs[torch.arange(len(labels)), labels] = (logprobs.exp() - 1).to(probs.dtype)  # softmax - one-hot
+        grad = -grad[:, None]  # the logits' gradient: grad x (one-hot - softmax)
+        grads = probs @ weight * grad, None, None, probs.T @ (hidden * grad).to(probs.dtype)
+        return *grads, None if bias is None else probs.T @ grad[:, 0].to(probs.dtype)
 
 
 def make_optimizer(model, args):
@@ -660,9 +666,9 @@ def log_metrics(metrics, path, args, progress, samples=None):
         wandb.log({**metrics, **table}, step=metrics["step"])
 
 
-def save_checkpoint(model, optimizer, scheduler, step, args, state):
+def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
     """checkpoints/step_N: the arguments, each rank's scheduler, RNG and loop state, then model and optimizer
-    (DCP, sharded: its .metadata, written last, marks the checkpoint complete)."""
+    (DCP, sharded: its .metadata, written last, marks the checkpoint complete). Then, if `stop`, the exit."""
     rank, path = dist.get_rank(), os.path.join(args.output_dir, "checkpoints", f"step_{step}")
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)  # left by a crash, or a restarted run's old step
@@ -675,7 +681,8 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state):
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)
     dist.barrier()
-    return path
+    if stop:  # a SIGTERM or SIGINT
+        leave_after_signal(path)
 
 
 def complete_checkpoints(output_dir):
@@ -1000,9 +1007,9 @@ def check_splits(args, tokenizer, splits):
 
 
 def check_linear_head(model, head, hidden, logits):
-    """head_logprobs needs logits linear in the last hidden state (no logit scale, no soft-capping)."""
+    """HeadLogprobs needs logits linear in the last hidden state (no logit scale, no soft-capping)."""
     with torch.no_grad():
-        difference = (torch.nn.functional.linear(hidden, head.weight, head.bias).float() - logits.float()).abs()
+        difference = (F.linear(hidden, head.weight, head.bias).float() - logits.float()).abs()
     if (difference > 0.02 * (1 + logits.float().abs().max())).any():
         raise ScriptError(f"{type(model).__name__}: its logits are not its head's linear map of its last hidden "
                           "states")

@@ -32,13 +32,13 @@ import datasets
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 import transformers
 import tyro
 from safetensors import SafetensorError
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           GenerationConfig, get_scheduler)
@@ -122,10 +122,8 @@ class Args:
     # computed at start, not flags
     world_size: Resumable[Suppress[Optional[int]]] = None
     """(computed) processes"""
-    local_batch_size: Resumable[Suppress[Optional[int]]] = None
-    """(computed) per_device_train_batch_size x gradient_accumulation_steps"""
     batch_size: Suppress[Optional[int]] = None
-    """(computed) world_size x local_batch_size: an optimizer step's global batch"""
+    """(computed) an optimizer step's global batch: processes x micro-batch x accumulation steps"""
     num_training_steps: Suppress[Optional[int]] = None
     """(computed) the run's optimizer steps"""
     rollout_batch_size: Resumable[Suppress[Optional[int]]] = None
@@ -434,9 +432,7 @@ def main(args):
                 log_metrics(metrics, metrics_path, args, progress, samples)
                 sums, logged, window_start = collections.defaultdict(sums.default_factory), step, time.time()
             if (args.save_every > 0 and step % args.save_every == 0) or (stop and step % steps_per_rollout == 0):
-                folder = save_checkpoint(trained, optimizer, scheduler, step, args, state)
-                if stop:  # a SIGTERM or SIGINT in this rollout: its checkpoint is written
-                    leave_after_signal(folder)
+                save_checkpoint(trained, optimizer, scheduler, step, args, state, stop)
 
     # 6. save the policy's Hugging Face folder (the value model is a training aid)
     finish(model, tokenizer, args, device)
@@ -457,8 +453,7 @@ def setup(args):
     args.resume_from = latest[0] if auto else args.resume_from
     guard_run(args, auto)
     args.world_size = world_size
-    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    args.batch_size = args.local_batch_size * world_size
+    args.batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
     torch.manual_seed(args.seed + rank)  # dropout (sft.py leaves it on)
     return rank, world_size, device
 
@@ -616,8 +611,8 @@ def batch_on(device, prompts, completions, rows, pad_token_id):
 
 
 def load_pretrained(auto_class, path, args, flag, **options):
-    """auto_class.from_pretrained(path), refused naming `flag`. A model (fp32) is read by the first process alone,
-    the others build it on the meta device (shard_model sends their shards); with its load report."""
+    """auto_class.from_pretrained(path), refused naming `flag`. A model (fp32), with its load report, is read by
+    the first process alone; the others build it on the meta device."""
     check_local_path(path, flag, auto_class)
     if auto_class is AutoTokenizer:
         try:
@@ -697,8 +692,8 @@ def load_reward_model(args, tokenizer, device):
 
 
 def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
-    """Log-probs of the last `completion_width` tokens from logits / temperature (and entropies). The model's
-    head runs on the last position only; head_logprobs does the rest in chunks."""
+    """Log-probs of the last `completion_width` tokens from logits / temperature (and entropies): the model's head
+    on the last position only, HeadLogprobs on the rest, HEAD_ROWS at a time."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
     hidden = []  # the decoder's output (output_hidden_states returns views, which FSDP2 warns of)
     hook = model.get_decoder().register_forward_hook(lambda module, inputs, output: hidden.append(output[0]))
@@ -707,24 +702,38 @@ def completion_logprobs(model, input_ids, attention_mask, completion_width, temp
     hook.remove()
     head = model.get_output_embeddings()
     check_linear_head(model, head, hidden[0][:, -1], logits[:, -1])
-    labels = input_ids[:, -completion_width:]
-    hidden = hidden[0][:, -completion_width - 1 : -1].flatten(0, 1)  # the state at t predicts token t + 1
-    parts = head_logprobs(hidden, head.weight, head.bias, labels.flatten(), temperature, with_entropy)
-    return [part.view(labels.shape) for part in parts] if with_entropy else parts[0].view(labels.shape)
+    labels, hidden = input_ids[:, -completion_width:], hidden[0][:, -completion_width - 1 : -1].flatten(0, 1)
+    params = [p / temperature for p in (head.weight, head.bias) if p is not None]  # a head for logits / T
+    chunks = [HeadLogprobs.apply(h, y, with_entropy, *params)  # the state at t predicts token t + 1
+              for h, y in zip(hidden.split(HEAD_ROWS), labels.flatten().split(HEAD_ROWS))]
+    logprobs, entropy = (torch.cat(parts).view(labels.shape) for parts in zip(*chunks))
+    return (logprobs, entropy) if with_entropy else logprobs
 
 
-def head_logprobs(hidden, weight, bias, labels, temperature, with_entropy=False, rows=512):
-    """log_softmax(head(hidden) / temperature) at `labels` (and entropies), `rows` at a time, recomputed in
-    the backward: autograd through all the (tokens, vocabulary) logits keeps four fp32 copies."""
-    chunks = [checkpoint(head_chunk, h, weight, bias, l, temperature, with_entropy, use_reentrant=False,
-                         preserve_rng_state=False) for h, l in zip(hidden.split(rows), labels.split(rows))]
-    return [torch.cat(parts) for parts in zip(*chunks)]
+HEAD_ROWS = 1024  # 0.9 GiB of logits for a vocabulary of 151,936
 
 
-def head_chunk(hidden, weight, bias, labels, temperature, with_entropy):
-    log_softmax = (torch.nn.functional.linear(hidden, weight, bias).float() / temperature).log_softmax(-1)
-    logprobs = log_softmax.gather(-1, labels[:, None])[:, 0]
-    return (logprobs, -(log_softmax.exp() * log_softmax).sum(-1).detach()) if with_entropy else (logprobs,)
+class HeadLogprobs(torch.autograd.Function):
+    """log_softmax(head(hidden)) at `labels` (and entropies, no gradient). The backward recomputes the softmax and
+    makes it the logits' gradient in place: autograd would keep and make (rows, vocabulary) tensors."""
+
+    @staticmethod
+    def forward(ctx, hidden, labels, with_entropy, weight, bias=None):
+        log_p = F.linear(hidden, weight, bias).log_softmax(-1, dtype=torch.float32)  # one kernel
+        logprobs = log_p.gather(1, labels[:, None])[:, 0]
+        entropy = -(log_p.exp() * log_p).sum(-1) if with_entropy else torch.zeros_like(logprobs)
+        ctx.save_for_backward(hidden, labels, logprobs, weight, bias)
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        hidden, labels, logprobs, weight, bias = ctx.saved_tensors
+        probs = F.linear(hidden, weight, bias).softmax(-1)  # in the weights' dtype
+        probs[torch.arange(len(labels)), labels] = (logprobs.exp() - 1).to(probs.dtype)  # softmax - one-hot
+        grad = -grad[:, None]  # the logits' gradient: grad x (one-hot - softmax)
+        grads = probs @ weight * grad, None, None, probs.T @ (hidden * grad).to(probs.dtype)
+        return *grads, None if bias is None else probs.T @ grad[:, 0].to(probs.dtype)
 
 
 def last_token_index(attention_mask):
@@ -785,7 +794,6 @@ def unsharded(model, keep=False):
     hooks = [(module._forward_pre_hooks, module._forward_hooks) for module in fsdp_modules]
     for module in fsdp_modules:
         module.unshard()
-        module.set_reshard_after_forward(False, recurse=False)
         module._forward_pre_hooks, module._forward_hooks = collections.OrderedDict(), collections.OrderedDict()
     try:
         yield
@@ -793,7 +801,6 @@ def unsharded(model, keep=False):
         for module, (pre_hooks, post_hooks) in zip(fsdp_modules, hooks):
             module._forward_pre_hooks, module._forward_hooks = pre_hooks, post_hooks
             if not keep:  # --no-reshard_after_forward: still gathered for the next forward
-                module.set_reshard_after_forward(module is not model, recurse=False)  # as shard_model left it
                 module.reshard()
 
 
@@ -804,8 +811,8 @@ def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_
     input_ids, attention_mask = pad(prompts, pad_token_id, "left"), pad([[1] * len(p) for p in prompts], 0, "left")
     if cache == "static":  # prompt widths in steps of 64: fewer shapes to compile
         extra = -input_ids.shape[1] % 64
-        input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad_token_id)
-        attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0), value=0)
+        input_ids = F.pad(input_ids, (extra, 0), value=pad_token_id)
+        attention_mask = F.pad(attention_mask, (extra, 0), value=0)
     # the log-probs' distribution: no top_k or top_p (not the folder's generation_config, nor HF's top_k 50)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
     config = GenerationConfig(**(sampling or {"do_sample": False}), max_new_tokens=max_new_tokens,
@@ -829,8 +836,7 @@ def sample_rollout(model, prompts, rollout, args, eos_token_id, pad_token_id):
     device, rank, greedy = next(model.parameters()).device, dist.get_rank(), rollout is None
     n, width = len(prompts), args.max_completion_length
     chunk_size = args.per_device_eval_batch_size if greedy else args.local_rollout_forward_batch_size
-    completion_ids = torch.zeros(n, width, dtype=torch.long, device=device)
-    lengths = torch.zeros(n, dtype=torch.long, device=device)
+    completion_ids = torch.full((n, width), -1, device=device)  # -1: no token
     with unsharded(model, keep=not args.reshard_after_forward):
         for chunk, start in enumerate(range(0, n, chunk_size)):
             if chunk % args.world_size == rank:
@@ -840,10 +846,9 @@ def sample_rollout(model, prompts, rollout, args, eos_token_id, pad_token_id):
                                                    args.cache_implementation)
                 for i, completion in enumerate(completions, start):
                     completion_ids[i, : len(completion)] = torch.tensor(completion)
-                    lengths[i] = len(completion)
-    dist.all_reduce(completion_ids)  # each row is filled by one rank only
-    dist.all_reduce(lengths)
-    return [completion_ids[i, :length].tolist() for i, length in enumerate(lengths.tolist())], lengths
+    dist.all_reduce(completion_ids, op=dist.ReduceOp.MAX)  # each row is filled by one rank only
+    lengths = (completion_ids >= 0).sum(1)
+    return [row[:length] for row, length in zip(completion_ids.tolist(), lengths.tolist())], lengths
 
 
 def rollout_mini_batches(rollout, passes, args, group=1):
@@ -899,9 +904,9 @@ def log_metrics(metrics, path, args, progress, samples=None):
         wandb.log({**metrics, **table}, step=metrics["step"])
 
 
-def save_checkpoint(model, optimizer, scheduler, step, args, state):
+def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
     """checkpoints/step_N: the arguments, each rank's scheduler, RNG and loop state, then model and optimizer
-    (DCP, sharded: its .metadata, written last, marks the checkpoint complete)."""
+    (DCP, sharded: its .metadata, written last, marks the checkpoint complete). Then, if `stop`, the exit."""
     rank, path = dist.get_rank(), os.path.join(args.output_dir, "checkpoints", f"step_{step}")
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)  # left by a crash, or a restarted run's old step
@@ -914,7 +919,8 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state):
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)
     dist.barrier()
-    return path
+    if stop:  # a SIGTERM or SIGINT
+        leave_after_signal(path)
 
 
 def complete_checkpoints(output_dir):
@@ -1246,9 +1252,9 @@ def check_rewards(rewards, sources):
 
 
 def check_linear_head(model, head, hidden, logits):
-    """head_logprobs needs logits linear in the last hidden state (no logit scale, no soft-capping)."""
+    """HeadLogprobs needs logits linear in the last hidden state (no logit scale, no soft-capping)."""
     with torch.no_grad():
-        difference = (torch.nn.functional.linear(hidden, head.weight, head.bias).float() - logits.float()).abs()
+        difference = (F.linear(hidden, head.weight, head.bias).float() - logits.float()).abs()
     if (difference > 0.02 * (1 + logits.float().abs().max())).any():
         raise ScriptError(f"{type(model).__name__}: its logits are not its head's linear map of its last hidden "
                           "states")

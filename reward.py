@@ -120,10 +120,8 @@ class Args:
     # computed at start, not flags
     world_size: Resumable[Suppress[Optional[int]]] = None
     """(computed) processes"""
-    local_batch_size: Resumable[Suppress[Optional[int]]] = None
-    """(computed) per_device_train_batch_size x gradient_accumulation_steps"""
     batch_size: Suppress[Optional[int]] = None
-    """(computed) world_size x local_batch_size: an optimizer step's global batch"""
+    """(computed) an optimizer step's global batch: processes x micro-batch x accumulation steps"""
     num_training_steps: Suppress[Optional[int]] = None
     """(computed) the run's optimizer steps"""
     max_prompt_length: AtLeast1 = 512
@@ -235,9 +233,7 @@ def main(args):
             log_metrics(metrics, metrics_path, args, progress)
             sums, logged, window_start = collections.defaultdict(sums.default_factory), step, time.time()
         if stop or (args.save_every > 0 and step % args.save_every == 0):
-            folder = save_checkpoint(model, optimizer, scheduler, step, args, state)
-            if stop:  # a SIGTERM or SIGINT: the checkpoint is written
-                leave_after_signal(folder)
+            save_checkpoint(model, optimizer, scheduler, step, args, state, stop)
 
     # 6. centre the scores: mean 0 over the training completions, the shift saved as config.score_bias (which
     # sequence_scores adds), so the RL scripts see rewards around 0 from the first step; save the HF folder
@@ -264,8 +260,7 @@ def setup(args):
     args.resume_from = latest[0] if auto else args.resume_from
     guard_run(args, auto)
     args.world_size = world_size
-    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    args.batch_size = args.local_batch_size * world_size
+    args.batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
     torch.manual_seed(args.seed + rank)  # dropout (sft.py leaves it on)
     return rank, world_size, device
 
@@ -438,8 +433,8 @@ def make_batch(prompts, completions, pad_token_id):
 
 
 def load_pretrained(auto_class, path, args, flag, **options):
-    """auto_class.from_pretrained(path), refused naming `flag`. A model (fp32) is read by the first process alone,
-    the others build it on the meta device (shard_model sends their shards); with its load report."""
+    """auto_class.from_pretrained(path), refused naming `flag`. A model (fp32), with its load report, is read by
+    the first process alone; the others build it on the meta device."""
     check_local_path(path, flag, auto_class)
     if auto_class is AutoTokenizer:
         try:
@@ -595,9 +590,9 @@ def log_metrics(metrics, path, args, progress, samples=None):
         wandb.log({**metrics, **table}, step=metrics["step"])
 
 
-def save_checkpoint(model, optimizer, scheduler, step, args, state):
+def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
     """checkpoints/step_N: the arguments, each rank's scheduler, RNG and loop state, then model and optimizer
-    (DCP, sharded: its .metadata, written last, marks the checkpoint complete)."""
+    (DCP, sharded: its .metadata, written last, marks the checkpoint complete). Then, if `stop`, the exit."""
     rank, path = dist.get_rank(), os.path.join(args.output_dir, "checkpoints", f"step_{step}")
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)  # left by a crash, or a restarted run's old step
@@ -610,7 +605,8 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state):
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)
     dist.barrier()
-    return path
+    if stop:  # a SIGTERM or SIGINT
+        leave_after_signal(path)
 
 
 def complete_checkpoints(output_dir):

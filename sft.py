@@ -2,9 +2,7 @@
 pairs. Paper: the SFT stage of InstructGPT (arXiv:2203.02155). Unlike a plain LM loss: (1) only completion tokens,
 EOS included (masks come from lengths: EOS is learnt even when pad == eos); (2) divided by the completion tokens of the
 whole global batch, so the update does not depend on its split over processes and accumulation steps.
-Run:  python examples/toy_task.py --out toy
-      torchrun --nproc_per_node 2 sft.py --model_name_or_path toy/model --dataset_name toy/sft --output_dir runs/sft \
-          --learning_rate 1e-3 --num_train_epochs 5 --warmup_ratio 0.05
+Run (the toy task's command: README):
       torchrun --nproc_per_node 8 sft.py --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name trl-lib/Capybara --track
 """
 
@@ -29,13 +27,13 @@ import datasets
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 import transformers
 import tyro
 from safetensors import SafetensorError
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from tyro.conf import Suppress
@@ -119,10 +117,8 @@ class Args:
     # computed at start, not flags
     world_size: Resumable[Suppress[Optional[int]]] = None
     """(computed) processes"""
-    local_batch_size: Resumable[Suppress[Optional[int]]] = None
-    """(computed) per_device_train_batch_size x gradient_accumulation_steps"""
     batch_size: Suppress[Optional[int]] = None
-    """(computed) world_size x local_batch_size: an optimizer step's global batch"""
+    """(computed) an optimizer step's global batch: processes x micro-batch x accumulation steps"""
     num_training_steps: Suppress[Optional[int]] = None
     """(computed) the run's optimizer steps"""
     max_prompt_length: AtLeast1 = 512
@@ -159,11 +155,11 @@ def tokenize_sft(dataset, tokenizer, args):
     return data, dropped
 
 
-def sft_loss(model, prompts, completions, pad_token_id, num_tokens):
-    """-log p(completion tokens) summed over the micro-batch / `num_tokens`, the whole global batch's: the summed
-    gradient is the global token mean's. Returns it and the micro-batch's tokens."""
-    device = next(model.parameters()).device
-    input_ids, attention_mask, completion_mask = [t.to(device) for t in make_batch(prompts, completions, pad_token_id)]
+def sft_loss(model, data, rows, pad_token_id, num_tokens):
+    """-log p(completion tokens) summed over `rows` / `num_tokens`, the whole global batch's: the summed gradient
+    is the global token mean's. Returns it and the tokens processed."""
+    batch = make_batch([data["prompt"][i] for i in rows], [data["completion"][i] for i in rows], pad_token_id)
+    input_ids, attention_mask, completion_mask = [t.to(next(model.parameters()).device) for t in batch]
     logprobs = completion_logprobs(model, input_ids, attention_mask, completion_mask.shape[1])
     return -(logprobs * completion_mask).sum() / num_tokens, attention_mask.sum()
 
@@ -176,8 +172,7 @@ def evaluate(model, test, args, pad_token_id):
     total = torch.zeros((), device=next(model.parameters()).device)
     for rows, valid in rank_micro_batches(len(test["prompt"]), dist.get_rank(), args.world_size,
                                           args.per_device_eval_batch_size):
-        prompts, completions = [test["prompt"][i] for i in rows], [test["completion"][i] for i in rows]
-        total += valid * sft_loss(model, prompts, completions, pad_token_id, num_tokens)[0]
+        total += valid * sft_loss(model, test, rows, pad_token_id, num_tokens)[0]
     dist.all_reduce(total)
     model.train()
     return total.item()
@@ -210,8 +205,7 @@ def main(args):
         step_loss = 0.0  # this rank's share of the global mean (summed over ranks when logged)
         for micro in micro_batches(batch, args):
             # ALGO LOGIC: each micro-batch's summed loss / the global batch's tokens: the global token mean
-            prompts, completions = [train["prompt"][i] for i in micro], [train["completion"][i] for i in micro]
-            loss, tokens = sft_loss(model, prompts, completions, pad_token_id, num_tokens)
+            loss, tokens = sft_loss(model, train, micro, pad_token_id, num_tokens)
             loss.backward()
             step_loss += loss.detach()
             sums["tokens"] += tokens
@@ -228,9 +222,7 @@ def main(args):
             log_metrics(metrics, metrics_path, args, progress)
             sums, logged, window_start = collections.defaultdict(sums.default_factory), step, time.time()
         if stop or (args.save_every > 0 and step % args.save_every == 0):
-            folder = save_checkpoint(model, optimizer, scheduler, step, args, state)
-            if stop:  # a SIGTERM or SIGINT: the checkpoint is written
-                leave_after_signal(folder)
+            save_checkpoint(model, optimizer, scheduler, step, args, state, stop)
 
     # 6. save the Hugging Face folder
     finish(model, tokenizer, args, device)
@@ -251,8 +243,7 @@ def setup(args):
     args.resume_from = latest[0] if auto else args.resume_from
     guard_run(args, auto)
     args.world_size = world_size
-    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    args.batch_size = args.local_batch_size * world_size
+    args.batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
     torch.manual_seed(args.seed + rank)  # dropout (sft.py leaves it on)
     return rank, world_size, device
 
@@ -391,8 +382,8 @@ def make_batch(prompts, completions, pad_token_id):
 
 
 def load_pretrained(auto_class, path, args, flag, **options):
-    """auto_class.from_pretrained(path), refused naming `flag`. A model (fp32) is read by the first process alone,
-    the others build it on the meta device (shard_model sends their shards); with its load report."""
+    """auto_class.from_pretrained(path), refused naming `flag`. A model (fp32), with its load report, is read by
+    the first process alone; the others build it on the meta device."""
     check_local_path(path, flag, auto_class)
     if auto_class is AutoTokenizer:
         try:
@@ -446,8 +437,8 @@ def shard_model(model, args, device):
 
 
 def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
-    """Log-probs of the last `completion_width` tokens from logits / temperature (and entropies). The model's
-    head runs on the last position only; head_logprobs does the rest in chunks."""
+    """Log-probs of the last `completion_width` tokens from logits / temperature (and entropies): the model's head
+    on the last position only, HeadLogprobs on the rest, HEAD_ROWS at a time."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
     hidden = []  # the decoder's output (output_hidden_states returns views, which FSDP2 warns of)
     hook = model.get_decoder().register_forward_hook(lambda module, inputs, output: hidden.append(output[0]))
@@ -456,24 +447,38 @@ def completion_logprobs(model, input_ids, attention_mask, completion_width, temp
     hook.remove()
     head = model.get_output_embeddings()
     check_linear_head(model, head, hidden[0][:, -1], logits[:, -1])
-    labels = input_ids[:, -completion_width:]
-    hidden = hidden[0][:, -completion_width - 1 : -1].flatten(0, 1)  # the state at t predicts token t + 1
-    parts = head_logprobs(hidden, head.weight, head.bias, labels.flatten(), temperature, with_entropy)
-    return [part.view(labels.shape) for part in parts] if with_entropy else parts[0].view(labels.shape)
+    labels, hidden = input_ids[:, -completion_width:], hidden[0][:, -completion_width - 1 : -1].flatten(0, 1)
+    params = [p / temperature for p in (head.weight, head.bias) if p is not None]  # a head for logits / T
+    chunks = [HeadLogprobs.apply(h, y, with_entropy, *params)  # the state at t predicts token t + 1
+              for h, y in zip(hidden.split(HEAD_ROWS), labels.flatten().split(HEAD_ROWS))]
+    logprobs, entropy = (torch.cat(parts).view(labels.shape) for parts in zip(*chunks))
+    return (logprobs, entropy) if with_entropy else logprobs
 
 
-def head_logprobs(hidden, weight, bias, labels, temperature, with_entropy=False, rows=512):
-    """log_softmax(head(hidden) / temperature) at `labels` (and entropies), `rows` at a time, recomputed in
-    the backward: autograd through all the (tokens, vocabulary) logits keeps four fp32 copies."""
-    chunks = [checkpoint(head_chunk, h, weight, bias, l, temperature, with_entropy, use_reentrant=False,
-                         preserve_rng_state=False) for h, l in zip(hidden.split(rows), labels.split(rows))]
-    return [torch.cat(parts) for parts in zip(*chunks)]
+HEAD_ROWS = 1024  # 0.9 GiB of logits for a vocabulary of 151,936
 
 
-def head_chunk(hidden, weight, bias, labels, temperature, with_entropy):
-    log_softmax = (torch.nn.functional.linear(hidden, weight, bias).float() / temperature).log_softmax(-1)
-    logprobs = log_softmax.gather(-1, labels[:, None])[:, 0]
-    return (logprobs, -(log_softmax.exp() * log_softmax).sum(-1).detach()) if with_entropy else (logprobs,)
+class HeadLogprobs(torch.autograd.Function):
+    """log_softmax(head(hidden)) at `labels` (and entropies, no gradient). The backward recomputes the softmax and
+    makes it the logits' gradient in place: autograd would keep and make (rows, vocabulary) tensors."""
+
+    @staticmethod
+    def forward(ctx, hidden, labels, with_entropy, weight, bias=None):
+        log_p = F.linear(hidden, weight, bias).log_softmax(-1, dtype=torch.float32)  # one kernel
+        logprobs = log_p.gather(1, labels[:, None])[:, 0]
+        entropy = -(log_p.exp() * log_p).sum(-1) if with_entropy else torch.zeros_like(logprobs)
+        ctx.save_for_backward(hidden, labels, logprobs, weight, bias)
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        hidden, labels, logprobs, weight, bias = ctx.saved_tensors
+        probs = F.linear(hidden, weight, bias).softmax(-1)  # in the weights' dtype
+        probs[torch.arange(len(labels)), labels] = (logprobs.exp() - 1).to(probs.dtype)  # softmax - one-hot
+        grad = -grad[:, None]  # the logits' gradient: grad x (one-hot - softmax)
+        grads = probs @ weight * grad, None, None, probs.T @ (hidden * grad).to(probs.dtype)
+        return *grads, None if bias is None else probs.T @ grad[:, 0].to(probs.dtype)
 
 
 def make_optimizer(model, args):
@@ -548,9 +553,9 @@ def log_metrics(metrics, path, args, progress, samples=None):
         wandb.log({**metrics, **table}, step=metrics["step"])
 
 
-def save_checkpoint(model, optimizer, scheduler, step, args, state):
+def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
     """checkpoints/step_N: the arguments, each rank's scheduler, RNG and loop state, then model and optimizer
-    (DCP, sharded: its .metadata, written last, marks the checkpoint complete)."""
+    (DCP, sharded: its .metadata, written last, marks the checkpoint complete). Then, if `stop`, the exit."""
     rank, path = dist.get_rank(), os.path.join(args.output_dir, "checkpoints", f"step_{step}")
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)  # left by a crash, or a restarted run's old step
@@ -563,7 +568,8 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state):
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)
     dist.barrier()
-    return path
+    if stop:  # a SIGTERM or SIGINT
+        leave_after_signal(path)
 
 
 def complete_checkpoints(output_dir):
@@ -888,9 +894,9 @@ def check_splits(args, tokenizer, splits):
 
 
 def check_linear_head(model, head, hidden, logits):
-    """head_logprobs needs logits linear in the last hidden state (no logit scale, no soft-capping)."""
+    """HeadLogprobs needs logits linear in the last hidden state (no logit scale, no soft-capping)."""
     with torch.no_grad():
-        difference = (torch.nn.functional.linear(hidden, head.weight, head.bias).float() - logits.float()).abs()
+        difference = (F.linear(hidden, head.weight, head.bias).float() - logits.float()).abs()
     if (difference > 0.02 * (1 + logits.float().abs().max())).any():
         raise ScriptError(f"{type(model).__name__}: its logits are not its head's linear map of its last hidden "
                           "states")

@@ -248,6 +248,8 @@ def correctness_stage(out, sizes, args):
                  *common, steps],
     }
     first_wave["grpo_static"] = elsewhere(first_wave["grpo"], f"{runs}/grpo_static", "--cache_implementation", "static")
+    first_wave["grpo_online_dpo"] = elsewhere(first_wave["grpo"], f"{runs}/grpo_online_dpo", "--policy_loss", "dpo",
+                                              "--beta", 0.1)
     second_wave = {  # after the first: ppo scores with the reward model; sft resumes from the first run's checkpoint
         "ppo": ["ppo.py", *rl, "--reward_model_path", f"{runs}/reward", "--output_dir", f"{runs}/ppo",
                 "--num_ppo_epochs", 2, "--num_mini_batches", 2, "--local_rollout_forward_batch_size", 32, *common, 4],
@@ -257,7 +259,7 @@ def correctness_stage(out, sizes, args):
     second_wave["ppo_static"] = elsewhere(second_wave["ppo"], f"{runs}/ppo_static", "--cache_implementation", "static")
     if not torch.cuda.is_available():  # the dry run: no noise to measure on CPU, where the static cache is not
         for wave in (first_wave, second_wave):  # compiled (tests/test_grpo.py checks it there, in process)
-            for name in ("sft_again", "grpo_static", "ppo_static"):
+            for name in ("sft_again", "grpo_static", "ppo_static", "grpo_online_dpo"):
                 wave.pop(name, None)
     result, failures = {"runs": {}}, []
     keys = ("loss", "objective/scores", "completions/mean_length", "eval/scores", "val/num_eos_tokens",

@@ -1,56 +1,66 @@
-"""The training log-probs through the output head, forward and backward: the scripts' head_logprobs (chunks through
-autograd, each recomputed under torch.utils.checkpoint) against a custom autograd Function that computes the
-gradient as (softmax - one-hot) / temperature directly, as TRL's ChunkedLogProbFunction does. Qwen2.5-0.5B's head
-(896 x 151,936), fp32 on CPU, best of 3; also the largest difference between the two gradients.
-Usage: python bench/head_backward.py [--threads 2] [--rows 2048] [--temperature 1.0]"""
+"""The training log-probs through the output head, forward and backward: the scripts' HeadLogprobs (an autograd
+Function whose backward recomputes a chunk's softmax and forms the logits' gradient from it) at 512, 1,024 and 2,048
+rows a chunk, against autograd through checkpointed chunks of 512 rows (log_softmax then gather) and, on
+a GPU, TRL's ChunkedLogProbFunction (Triton kernels). Qwen2.5-0.5B's head (896 x 151,936), best of --repeats:
+seconds, peak memory above the inputs, and each gradient's largest error against the same computed in float32.
+Usage: python bench/head_backward.py [--device cuda --dtype bfloat16 --rows 16384] [--threads 2] [--temperature 1.0]"""
 import argparse
 import os
 import sys
 import time
 
 import torch
+from torch.nn.functional import linear
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from sft import head_logprobs  # noqa: E402
+from sft import HEAD_ROWS, HeadLogprobs  # noqa: E402
 
 
-class HeadLogprobs(torch.autograd.Function):
-    """log_softmax(hidden @ weight.T / temperature) at `labels`, `rows` at a time; the backward recomputes each
-    chunk's logits and forms softmax - one-hot in place (no autograd through (rows, vocabulary) tensors)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, rows=512):
-        ctx.save_for_backward(hidden, weight, labels)
-        ctx.temperature, ctx.rows = temperature, rows
-        parts = []
-        for h, label in zip(hidden.split(rows), labels.split(rows)):
-            logits = (h @ weight.T).float().div_(temperature)
-            parts.append(logits.gather(1, label[:, None])[:, 0] - logits.logsumexp(-1))
+def checkpointed(chunk):
+    def head(hidden, weight, labels, temperature, rows=512):
+        parts = [checkpoint(chunk, h, weight, label, temperature, use_reentrant=False, preserve_rng_state=False)
+                 for h, label in zip(hidden.split(rows), labels.split(rows))]
         return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        hidden, weight, labels = ctx.saved_tensors
-        grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
-        for h, label, g, gh in zip(*(t.split(ctx.rows) for t in (hidden, labels, grad, grad_hidden))):
-            probs = (h @ weight.T).float().div_(ctx.temperature).softmax(-1)
-            probs[torch.arange(len(label)), label] -= 1  # d log p(label) / d logit = one-hot - softmax
-            grad_logits = probs.mul_(-g[:, None] / ctx.temperature).to(h.dtype)
-            gh.copy_(grad_logits @ weight)
-            grad_weight += grad_logits.T @ h
-        return grad_hidden, grad_weight, None, None, None
+    return head
 
 
-def timed(function, hidden, weight, labels, temperature):
-    times, grads = [], None
-    for _ in range(3):
+def log_softmax_gather(h, weight, label, temperature):
+    return (linear(h, weight).float() / temperature).log_softmax(-1).gather(1, label[:, None])[:, 0]
+
+
+def scripts_head(rows):
+    """completion_logprobs' use of HeadLogprobs (HEAD_ROWS = `rows`): the head's weight / T, then chunks."""
+    def head(hidden, weight, labels, temperature):
+        weight = weight / temperature
+        chunks = zip(hidden.split(rows), labels.split(rows))
+        return torch.cat([HeadLogprobs.apply(h, y, False, weight)[0] for h, y in chunks])
+    return head
+
+
+def trl_function(hidden, weight, labels, temperature):
+    from trl.kernels import ChunkedLogProbFunction
+
+    return ChunkedLogProbFunction.apply(hidden, weight, None, labels, temperature, 32768, None, 1.0, ())[0]
+
+
+def timed(head, hidden, weight, labels, temperature, repeats, sync):
+    times, memory, grads = [], 0, None
+    for _ in range(repeats + 1):  # the first: a warm-up
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        if sync:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
         start = time.perf_counter()
-        logprobs = function(h, w, labels, temperature)
-        (logprobs * torch.linspace(-1, 1, len(labels))).sum().backward()
+        logprobs = head(h, w, labels, temperature)
+        (logprobs * torch.linspace(-1, 1, len(labels), device=h.device)).sum().backward()
+        if sync:
+            torch.cuda.synchronize()
+            memory = (torch.cuda.max_memory_allocated() - base) / 2**30
         times.append(time.perf_counter() - start)
         grads = (h.grad, w.grad)
-    return min(times), grads
+    return min(times[1:] or times), memory, grads
 
 
 if __name__ == "__main__":
@@ -58,15 +68,31 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, default=2048)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    hidden, weight = torch.randn(args.rows, 896), torch.randn(151_936, 896) * 0.02
-    labels = torch.randint(0, 151_936, (args.rows,))
-    scripts = lambda h, w, y, t: head_logprobs(h, w, None, y, t)[0]  # noqa: E731
-    results = {"the scripts' head_logprobs": timed(scripts, hidden, weight, labels, args.temperature),
-               "HeadLogprobs (softmax - one-hot)": timed(HeadLogprobs.apply, hidden, weight, labels, args.temperature)}
-    for name, (seconds, _) in results.items():
-        print(f"{name}: {seconds:.2f} s forward + backward")
-    (_, (a_h, a_w)), (_, (b_h, b_w)) = results.values()
-    print(f"largest gradient difference: hidden {(a_h - b_h).abs().max():.2e}, weight {(a_w - b_w).abs().max():.2e}")
+    device, dtype, gpu = torch.device(args.device), getattr(torch, args.dtype), args.device.startswith("cuda")
+    hidden = torch.randn(args.rows, 896, device=device).to(dtype)
+    weight = (torch.randn(151_936, 896, device=device) * 0.02).to(dtype)
+    labels = torch.randint(0, 151_936, (args.rows,), device=device)
+    ways = {"autograd, checkpointed chunks of 512 rows (log_softmax then gather)": checkpointed(log_softmax_gather)}
+    for rows in (512, 1024, 2048):
+        ways[f"HeadLogprobs, {rows} rows a chunk"] = scripts_head(rows)
+    if gpu:
+        ways["TRL 1.16 ChunkedLogProbFunction"] = trl_function
+    results = {}
+    for name, head in ways.items():
+        try:
+            results[name] = timed(head, hidden, weight, labels, args.temperature, args.repeats, gpu)
+        except Exception as e:  # noqa: BLE001 (one way failing does not stop the others)
+            print(f"{name}: failed: {e!r}"[:300])
+    scripts = ways[f"HeadLogprobs, {HEAD_ROWS} rows a chunk"]
+    exact = timed(scripts, hidden.float(), weight.float(), labels, args.temperature, 0, False)[2]
+    print(f"{args.rows} rows, {args.dtype}, {args.device}, T {args.temperature}")
+    for name, (seconds, memory, grads) in results.items():
+        errors = [((grad.float() - want).abs().max() / want.abs().max()).item() for grad, want in zip(grads, exact)]
+        print(f"{name}: {seconds * 1e3:.1f} ms forward + backward, peak {memory:.2f} GiB above the inputs; largest "
+              f"error against float32 over the largest gradient: hidden {errors[0]:.1e}, weight {errors[1]:.1e}")

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from sft import (
     completion_logprobs,
     global_batch,
-    head_logprobs,
+    HeadLogprobs,
     load_split,
     make_batch,
     rank_micro_batches,
@@ -34,7 +34,8 @@ def test_make_batch_keeps_eos_when_pad_equals_eos():
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_completion_logprobs_left_padding_and_temperature(temperature):
+def test_completion_logprobs_left_padding_and_temperature(temperature, monkeypatch):
+    monkeypatch.setattr("sft.HEAD_ROWS", 4)  # 2 rows x 3 positions: the head in chunks of 4 and 2
     model = tiny_gpt2()
     prompts, completions = [[1, 2, 3, 4, 5], [6, 7]], [[8, 9], [10, 11, 12]]
     input_ids, attention_mask, completion_mask = make_batch(prompts, completions, pad_token_id=0)
@@ -55,9 +56,9 @@ def test_completion_logprobs_left_padding_and_temperature(temperature):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_head_logprobs_in_chunks_equal_autograd_through_the_whole_logits(dtype, with_bias):
+def test_head_logprobs_equal_autograd_through_the_whole_logits(dtype, with_bias):
     """Log-probs, entropies and the gradients of hidden states, weight and bias, against autograd through
-    log_softmax(logits.float() / T) over all rows at once; 10 rows in chunks of 3, 3, 3 and 1."""
+    log_softmax(logits.float() / T), T = 0.7 applied as completion_logprobs does (to the head's weights)."""
     torch.manual_seed(0)
     hidden, weight, bias = torch.randn(10, 16), torch.randn(40, 16), torch.randn(40) if with_bias else None
     labels, upstream = torch.randint(0, 40, (10,)), torch.randn(10)  # upstream: an arbitrary gradient of the output
@@ -66,13 +67,13 @@ def test_head_logprobs_in_chunks_equal_autograd_through_the_whole_logits(dtype, 
         log_p = torch.log_softmax(torch.nn.functional.linear(h, w, b).float() / 0.7, -1)
         return log_p.gather(-1, labels[:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)
 
-    def chunked(h, w, b=None):
-        return head_logprobs(h, w, b, labels, 0.7, with_entropy=True, rows=3)
+    def function(h, w, b=None):
+        return HeadLogprobs.apply(h, labels, True, *[p / 0.7 for p in (w, b) if p is not None])
 
     results = []
-    for function in (plain, chunked):
+    for head in (plain, function):
         leaves = [t.clone().to(dtype).requires_grad_() for t in (hidden, weight, bias) if t is not None]
-        logprobs, entropy = function(*leaves)
+        logprobs, entropy = head(*leaves)
         (logprobs * upstream).sum().backward()
         results.append([logprobs.detach(), entropy.detach()] + [leaf.grad for leaf in leaves])
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
@@ -83,31 +84,20 @@ def test_head_logprobs_in_chunks_equal_autograd_through_the_whole_logits(dtype, 
 
 
 def test_head_logprobs_keeps_no_vocabulary_sized_tensor_for_the_backward():
-    """Between the forward and the backward autograd holds nothing of size rows x vocabulary: each chunk's logits
-    are recomputed in the backward. The control, the plain expression, holds them; the same with the chunks left out
-    of torch.utils.checkpoint holds them too (so the hook does see what a chunk saves)."""
-    import sft
-
+    """Between the forward and the backward autograd holds nothing of size rows x vocabulary: the backward
+    recomputes the logits. The control, the plain expression, holds them; the hook does see what HeadLogprobs
+    saves (the weight)."""
     torch.manual_seed(0)
     hidden, weight = torch.randn(64, 8, requires_grad=True), torch.randn(1000, 8, requires_grad=True)
     labels = torch.randint(0, 1000, (64,))
-    plain_checkpoint = lambda function, *args, **options: function(*args)  # noqa: E731
     for function, keeps_logits in (
         (lambda: torch.log_softmax(hidden @ weight.T, -1).gather(-1, labels[:, None]), True),  # the control
-        (lambda: head_logprobs(hidden, weight, None, labels, 1.0, rows=16)[0], False),
-        (lambda: head_logprobs(hidden, weight, None, labels, 1.0, rows=16)[0], "without checkpoint"),
+        (lambda: HeadLogprobs.apply(hidden, labels, False, weight)[0], False),
     ):
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-            if keeps_logits == "without checkpoint":
-                original, sft.checkpoint = sft.checkpoint, plain_checkpoint
-                try:
-                    function()
-                finally:
-                    sft.checkpoint = original
-            else:
-                function()
-        assert (max(saved, default=0) >= 16 * 1000) == bool(keeps_logits), saved
+            function()
+        assert (max(saved) >= 64 * 1000) == keeps_logits and weight.numel() in saved, saved
 
 
 def test_completion_logprobs_refuses_a_head_that_is_not_linear():
@@ -126,8 +116,9 @@ def test_sft_loss_is_token_mean_over_the_global_batch():
     with torch.no_grad():
         expected = -sum(reference_logprobs(model, p, c).sum() for p, c in zip(prompts, completions)) / num_tokens
         # split in two micro-batches, each divided by the global count, the parts sum to the global mean
-        part_a, _ = sft_loss(model, prompts[:2], completions[:2], 0, num_tokens)
-        part_b, _ = sft_loss(model, prompts[2:], completions[2:], 0, num_tokens)
+        data = {"prompt": prompts, "completion": completions}
+        part_a, _ = sft_loss(model, data, [0, 1], 0, num_tokens)
+        part_b, _ = sft_loss(model, data, [2], 0, num_tokens)
     torch.testing.assert_close(part_a + part_b, expected, atol=1e-6, rtol=1e-6)
 
 
