@@ -387,7 +387,7 @@ def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token
         with torch.no_grad():  # sums over the loss tokens
             kl = kl_estimate(logps, ref, old, "k3") if ref is not None else 0 * logps  # k3 whatever the loss uses
             token_stats = {"loss/policy_avg": policy_loss, "policy/approxkl_avg": 0.5 * (logps - old) ** 2,
-                           "objective/entropy": entropy, "val/ratio": ratio, "ratio_squared": ratio**2,
+                           "objective/entropy": entropy, "val/ratio": ratio, "val/ratio_squared": ratio**2,
                            "clip_ratio/low": (ratio < 1 - args.epsilon) & (A < 0) & (args.policy_loss == "clip"),
                            "clip_ratio/high": (ratio > 1 + args.epsilon_high) & (A > 0), "objective/kl": kl}
             for name, values in token_stats.items():
@@ -403,12 +403,12 @@ def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token
 
 def window_metrics(w, steps, seconds, args):
     """The metrics since the last log from their sums over ranks: per loss token, per completion (KL), per step."""
-    tokens, per_token = max(w.pop("tokens"), 1.0), ("loss/", "policy/", "objective/entropy", "val/", "ratio_", "clip")
+    tokens, per_token = max(w.pop("tokens"), 1.0), ("loss/", "policy/", "objective/entropy", "val/ratio", "clip")
     metrics = {"tokens_per_second": w.pop("processed") / seconds,
                "objective/kl": w.pop("objective/kl") / steps / args.batch_size}
     metrics |= {name: value / (tokens if name.startswith(per_token) else steps) for name, value in w.items()}
     metrics["policy/clipfrac_avg"] = metrics["clip_ratio/low"] + metrics["clip_ratio/high"]
-    metrics["val/ratio_var"] = metrics.pop("ratio_squared") - metrics["val/ratio"] ** 2
+    metrics["val/ratio_var"] = metrics.pop("val/ratio_squared") - metrics["val/ratio"] ** 2
     return metrics
 
 

@@ -139,7 +139,7 @@ class Args:
     num_mini_batches: AtLeast1 = 1
     """optimizer steps per pass over a rollout"""
     local_rollout_forward_batch_size: Resumable[AtLeast1] = 64
-    """completions per process per generation call and per no-grad forward pass"""
+    """completions per process per generation call or no-grad forward"""
     temperature: Positive = 0.7
     """sampling temperature (log-probs from logits / temperature)"""
     cache_implementation: Resumable[Literal["dynamic", "static"]] = "dynamic"
@@ -313,10 +313,11 @@ def accumulate_gradients(models, rollout, mini, args, sums, extremes, pad_token_
             logps, old, values, old_values, advantages, returns, mask, normaliser, args)
         loss.backward()
         step_loss += loss.detach()
-        with torch.no_grad():  # sums over the loss tokens, by metric name (window_metrics)
+        with torch.no_grad():  # sums over the loss tokens (window_metrics)
             token_stats = {"loss/policy_avg": policy_loss, "loss/value_avg": value_loss, "val/ratio": ratio,
                            "policy/approxkl_avg": 0.5 * (logps - old) ** 2, "policy/clipfrac_avg": clipped,
-                           "val/clipfrac_avg": value_clipped, "ratio_squared": ratio**2, "objective/entropy": entropy}
+                           "val/clipfrac_avg": value_clipped, "val/ratio_squared": ratio**2,
+                           "objective/entropy": entropy}
             for name, values in token_stats.items():
                 sums[name] += (values * mask).sum()
             sums["loss"] += loss.detach()
@@ -329,11 +330,11 @@ def accumulate_gradients(models, rollout, mini, args, sums, extremes, pad_token_
 
 def window_metrics(w, steps, seconds, args):
     """The metrics of the steps since the last log line, from their sums over ranks: the token statistics
-    (accumulate_gradients) per token in the loss, the rest per step."""
-    tokens, per_token = max(w.pop("tokens"), 1.0), ("loss/", "policy/", "val/", "objective/entropy", "ratio_")
+    (accumulate_gradients) per loss token, the rest per step."""
+    tokens, per_token = max(w.pop("tokens"), 1.0), ("loss/", "policy/", "val/ratio", "val/clip", "objective/entropy")
     metrics = {"tokens_per_second": w.pop("processed") / seconds}
     metrics |= {name: value / (tokens if name.startswith(per_token) else steps) for name, value in w.items()}
-    metrics["val/ratio_var"] = metrics.pop("ratio_squared") - metrics["val/ratio"] ** 2
+    metrics["val/ratio_var"] = metrics.pop("val/ratio_squared") - metrics["val/ratio"] ** 2
     return metrics
 
 

@@ -35,6 +35,7 @@ from grpo import (
     tokenize_prompts,
     unsharded,
     verifier_reward,
+    window_metrics,
 )
 from datasets import Dataset
 from safetensors.torch import load_file
@@ -277,6 +278,18 @@ def test_rejection_sampling_refuses_what_would_never_end():
         thread.start()
         thread.join(timeout=10)
         assert outcome and "needs finite rewards and a beta above 0" in outcome[0], (rewards, beta, outcome)
+
+
+def test_window_metrics_per_loss_token_per_completion_and_per_step():
+    """Two steps of 8 completions, 20 loss tokens: the ratio statistics and clip fractions per loss token, the KL per
+    completion, the rollout's statistics (val/num_eos_tokens among them: completions that ended) per step."""
+    sums = {"tokens": 20.0, "processed": 50.0, "objective/kl": 4.0, "val/ratio": 20.0, "val/ratio_squared": 21.0,
+            "clip_ratio/low": 2.0, "clip_ratio/high": 1.0, "val/num_eos_tokens": 14.0, "objective/scores": 1.2}
+    metrics = window_metrics(sums, 2, 5.0, SimpleNamespace(batch_size=8))
+    assert metrics["val/num_eos_tokens"] == 7.0 and metrics["objective/scores"] == 0.6
+    assert metrics["val/ratio"] == 1.0 and metrics["val/ratio_var"] == pytest.approx(21 / 20 - 1)
+    assert metrics["policy/clipfrac_avg"] == pytest.approx(0.15) and metrics["objective/kl"] == 4.0 / 2 / 8
+    assert metrics["tokens_per_second"] == 10.0
 
 
 # ---------------------------------------------------------------------------------------------- online DPO

@@ -21,6 +21,7 @@ from ppo import (
     sequence_scores,
     token_rewards,
     token_values,
+    window_metrics,
 )
 from transformers import (
     AutoModelForCausalLM,
@@ -369,3 +370,14 @@ def test_ppo_on_the_toy_task(toy, sft_model, reward_model, tmp_path):
         assert key in rows[-1], key
     assert all(r["val/ratio_min"] <= r["val/ratio"] <= r["val/ratio_max"] for r in rows)
     assert "  score +" in result.stdout or "  score -" in result.stdout  # the sample table
+
+
+def test_window_metrics_per_loss_token_and_per_step():
+    """Two steps, 20 loss tokens: the ratio statistics and clip fractions per loss token, the rollout's statistics
+    (val/num_eos_tokens among them: completions that ended) per step."""
+    sums = {"tokens": 20.0, "processed": 50.0, "val/ratio": 20.0, "val/ratio_squared": 21.0, "val/clipfrac_avg": 4.0,
+            "policy/clipfrac_avg": 2.0, "val/num_eos_tokens": 14.0, "objective/scores": 1.2}
+    metrics = window_metrics(sums, 2, 5.0, None)
+    assert metrics["val/num_eos_tokens"] == 7.0 and metrics["objective/scores"] == 0.6
+    assert metrics["val/clipfrac_avg"] == 0.2 and metrics["policy/clipfrac_avg"] == 0.1 and metrics["val/ratio"] == 1.0
+    assert metrics["val/ratio_var"] == pytest.approx(21 / 20 - 1) and metrics["tokens_per_second"] == 10.0
