@@ -1,5 +1,5 @@
 """The log-probs through the output head without gradients (score_rollout's, the reference's), with the entropy
-computed as before for every chunk, and without it as now (only accumulate_gradients logs it): Qwen2.5-0.5B's head
+computed for every chunk, and without it (only accumulate_gradients logs it; the scripts' way): Qwen2.5-0.5B's head
 (896 x 151,936), 2,048 rows, fp32 on CPU, best of 3. Usage: python bench/head_entropy.py [--threads 2]"""
 import argparse
 import os
@@ -20,7 +20,7 @@ torch.manual_seed(0)
 hidden, weight = torch.randn(args.rows, 896), torch.randn(151_936, 896) * 0.02
 labels = torch.randint(0, 151_936, (args.rows,))
 seconds = {}
-for name, with_entropy in (("with the entropy (before)", True), ("without (now)", False)):
+for name, with_entropy in (("with the entropy", True), ("without (the scripts)", False)):
     times = []
     for _ in range(3):
         start = time.perf_counter()
