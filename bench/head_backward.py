@@ -17,16 +17,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sft import HEAD_ROWS, HeadLogprobs  # noqa: E402
 
 
-def checkpointed(chunk):
-    def head(hidden, weight, labels, temperature, rows=512):
-        parts = [checkpoint(chunk, h, weight, label, temperature, use_reentrant=False, preserve_rng_state=False)
-                 for h, label in zip(hidden.split(rows), labels.split(rows))]
-        return torch.cat(parts)
-    return head
-
-
-def log_softmax_gather(h, weight, label, temperature):
-    return (linear(h, weight).float() / temperature).log_softmax(-1).gather(1, label[:, None])[:, 0]
+def checkpointed_chunks(hidden, weight, labels, temperature, rows=512):
+    """Autograd through log_softmax(logits.float() / T) and gather, a chunk of rows at a time, each recomputed in
+    the backward (torch.utils.checkpoint)."""
+    def chunk(h, label):
+        return (linear(h, weight).float() / temperature).log_softmax(-1).gather(1, label[:, None])[:, 0]
+    return torch.cat([checkpoint(chunk, h, label, use_reentrant=False, preserve_rng_state=False)
+                      for h, label in zip(hidden.split(rows), labels.split(rows))])
 
 
 def scripts_head(rows):
@@ -78,7 +75,7 @@ if __name__ == "__main__":
     hidden = torch.randn(args.rows, 896, device=device).to(dtype)
     weight = (torch.randn(151_936, 896, device=device) * 0.02).to(dtype)
     labels = torch.randint(0, 151_936, (args.rows,), device=device)
-    ways = {"autograd, checkpointed chunks of 512 rows (log_softmax then gather)": checkpointed(log_softmax_gather)}
+    ways = {"autograd, checkpointed chunks of 512 rows (log_softmax then gather)": checkpointed_chunks}
     for rows in (512, 1024, 2048):
         ways[f"HeadLogprobs, {rows} rows a chunk"] = scripts_head(rows)
     if gpu:
