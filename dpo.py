@@ -37,20 +37,22 @@ import tyro
 from safetensors import SafetensorError
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from tyro.conf import Suppress
 
 from adam_tf import AdamTF
 
-# the numeric flags' rules, as their types in Args (check_arguments)
+# the numeric flags' rules, as their types in Args (guard_run)
 AtLeast1 = Annotated[int, ("at least 1", lambda v: v >= 1)]
 OffOrAtLeast1 = Annotated[int, ("-1 (off) or at least 1", lambda v: v == -1 or v >= 1)]
 Positive = Annotated[float, ("above 0", lambda v: v > 0)]
 NonNegative = Annotated[float, ("0 or more", lambda v: v >= 0)]
 Fraction = Annotated[float, ("in [0, 1]", lambda v: 0 <= v <= 1)]
-RESUMABLE = "may change on resume: where and how often it logs, how the global batch is split"
+ShardDegree = Annotated[int, ("-1 (all) or a divisor of the processes",
+                              lambda v: v == -1 or v >= 1 and dist.get_world_size() % v == 0)]
+RESUMABLE = "may change on resume: logging, the global batch's split"
 Resumable = Annotated[TypeVar("T"), RESUMABLE]
 
 @dataclass
@@ -104,6 +106,8 @@ class Args:
     """recompute activations in the backward to save memory"""
     cpu_offload: Resumable[bool] = False
     """parameters, gradients and optimizer state in CPU memory (FSDP2's CPUOffloadPolicy)"""
+    shard_degree: Resumable[ShardDegree] = -1
+    """shard each model over groups of this many processes (-1: all), replicated across the groups (HSDP)"""
     reshard_after_forward: Resumable[bool] = True
     """free gathered parameters after each layer's forward (False: faster, more memory)"""
     log_every: Resumable[AtLeast1] = 10
@@ -186,8 +190,7 @@ def reference_table(ref_model, data, args, pad_token_id):
     """The summed reference log-probs of the chosen and rejected completions of every row, a (rows, 2) table, each
     rank scoring its share; the rows always grouped the same way, so the same to the bit."""
     table = torch.zeros(len(data["prompt"]), 2, device=next(ref_model.parameters()).device)
-    for rows, valid in rank_micro_batches(len(data["prompt"]), dist.get_rank(), args.world_size,
-                                          args.per_device_eval_batch_size):
+    for rows, valid in rank_micro_batches(len(data["prompt"]), args.per_device_eval_batch_size):
         chosen, rejected, _, _ = pair_logps(ref_model, data, rows, pad_token_id)
         table[rows] += valid * torch.stack([chosen, rejected], 1)
     dist.all_reduce(table)
@@ -207,8 +210,7 @@ def evaluate(model, ref_model, table, test, args, pad_token_id):
     """Mean loss and accuracy of the implicit reward over the test pairs, each rank its share."""
     model.eval()
     totals = torch.zeros(2, device=next(model.parameters()).device)
-    for rows, valid in rank_micro_batches(len(test["prompt"]), dist.get_rank(), args.world_size,
-                                          args.per_device_eval_batch_size):
+    for rows, valid in rank_micro_batches(len(test["prompt"]), args.per_device_eval_batch_size):
         chosen, rejected, lengths, _ = pair_logps(model, test, rows, pad_token_id)
         ref_chosen, ref_rejected = reference_logps(ref_model, table, test, rows, pad_token_id)
         loss, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, lengths, args)
@@ -453,11 +455,11 @@ def micro_batches(batch, args):
         yield batch[start : start + size]
 
 
-def rank_micro_batches(num_rows, rank, world_size, size):
+def rank_micro_batches(num_rows, size):
     """This rank's share of the rows in as many micro-batches on every rank (FSDP forwards are
     collectives): a rank out of rows gets row 0, valid False."""
-    share = list(range(rank, num_rows, world_size))
-    for start in range(0, math.ceil(num_rows / world_size), size):
+    share = list(range(dist.get_rank(), num_rows, dist.get_world_size()))
+    for start in range(0, math.ceil(num_rows / dist.get_world_size()), size):
         rows = share[start : start + size]
         yield (rows, True) if rows else ([0], False)
 
@@ -516,23 +518,23 @@ def disable_dropout(model):
 
 
 def shard_model(model, args, device):
-    """FSDP2: each decoder layer, then the root; gradients summed (each loss is a global mean already); the first
-    process's weights broadcast, a tensor at a time, each process keeping its shard."""
+    """FSDP2 (HSDP over a 2-D mesh): gradients summed (each loss is a global mean already); the first process's
+    weights broadcast, a tensor at a time, each process keeping its shard."""
     loaded = model.state_dict() if dist.get_rank() == 0 else {}  # the first process's, read from disk
     if args.gradient_checkpointing:  # it acts in training mode only: not on frozen models
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if args.bf16 and device.type == "cuda" else {}
-    policies = {"mesh": dist.init_device_mesh(device.type, (dist.get_world_size(),)),
+    shards = dist.get_world_size() if args.shard_degree == -1 else args.shard_degree  # HSDP: replicas x shards
+    mesh = dist.init_device_mesh(device.type, (dist.get_world_size() // shards, shards),
+                                 mesh_dim_names=("replicate", "shard"))
+    policies = {"mesh": mesh,
                 "mp_policy": MixedPrecisionPolicy(**bf16),
                 "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()}
-    for module in model.modules():
-        if type(module).__name__ in (model._no_split_modules or []):  # the decoder layers
-            fully_shard(module, reshard_after_forward=args.reshard_after_forward, **policies)
-    fully_shard(model, **policies)  # the root keeps its default: it runs first in the backward
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+    layers = [module for module in model.modules() if type(module).__name__ in (model._no_split_modules or [])]
+    for module in layers + [model]:  # each decoder layer, then the root (None: the root keeps its gathered weights)
+        fully_shard(module, reshard_after_forward=None if args.reshard_after_forward else False, **policies)
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
     if dist.get_rank() > 0:  # built on the meta device: room for its shards, filled below
         model.to_empty(device="cpu" if args.cpu_offload else device)
     set_model_state_dict(model, loaded, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -550,8 +552,8 @@ def load_model(auto_class, path, args, flag, device, frozen=False):
 
 
 def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
-    """Log-probs of the last `completion_width` tokens from logits / temperature (and entropies): the model's head
-    on the last position only, HeadLogprobs on the rest, HEAD_ROWS at a time."""
+    """Log-probs (and entropies) of the last `completion_width` tokens from logits / temperature, by HeadLogprobs,
+    HEAD_ROWS rows at a time."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
     hidden = []  # the decoder's output (output_hidden_states returns views, which FSDP2 warns of)
     hook = model.get_decoder().register_forward_hook(lambda module, inputs, output: hidden.append(output[0]))
@@ -626,8 +628,7 @@ def open_metrics(args, start_step):
 
 def optimizer_step(model, optimizer, scheduler, loss, step, args):
     """Clip the gradient norm, update unless guard_step stops the run, step the LR schedule once."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf).full_tensor()
     stop = guard_step(loss, grad_norm, step, args)
     optimizer.step()
     lr = scheduler.get_last_lr()[0]
@@ -668,7 +669,7 @@ def log_metrics(metrics, path, args, progress, samples=None):
 
 def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
     """checkpoints/step_N: the arguments, each rank's scheduler, RNG and loop state, then model and optimizer
-    (DCP, sharded: its .metadata, written last, marks the checkpoint complete). Then, if `stop`, the exit."""
+    (DCP, sharded: its .metadata, written last, marks the checkpoint complete). Then, if `stop` (a signal), the exit."""
     rank, path = dist.get_rank(), os.path.join(args.output_dir, "checkpoints", f"step_{step}")
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)  # left by a crash, or a restarted run's old step
@@ -680,9 +681,13 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
     torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state}, f"{path}/rank{rank}.pt")
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)
+    signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # a signal may have reached another rank only
+    if stop and rank == 0:
+        print(f"stopped by {signal.Signals(signum).name}: checkpoint {path}; --resume_from auto continues")
     dist.barrier()
-    if stop:  # a SIGTERM or SIGINT
-        leave_after_signal(path)
+    if stop:  # exit with 128 + the signal
+        dist.destroy_process_group()
+        sys.exit(128 + signum)
 
 
 def complete_checkpoints(output_dir):
@@ -748,8 +753,8 @@ class ScriptError(ValueError):
 
 
 def guard_run(args, auto):
-    """Errors as one line, signals as a checkpoint, library bars and logs at a terminal only, arguments checked,
-    output_dir claimed."""
+    """Errors as one line, signals as a checkpoint, bars and logs at a terminal only, numbers their type in Args
+    rules out refused (a batch size of 0, NaN), output_dir claimed."""
     sys.excepthook = report_error
     signal.signal(signal.SIGTERM, request_stop)  # preemption: torchrun forwards it to every process
     signal.signal(signal.SIGINT, request_stop)
@@ -759,7 +764,12 @@ def guard_run(args, auto):
         transformers.utils.logging.disable_progress_bar()
         logging.getLogger("datasets").setLevel(logging.CRITICAL)  # its errors: named by ours
         logging.getLogger("transformers").setLevel(logging.ERROR)
-    check_arguments(args)
+    for field in fields(args):
+        value, types = getattr(args, field.name), (field.type, *get_args(field.type))  # Optional[X]: X too
+        for allowed, check in [rule for t in types for rule in getattr(t, "__metadata__", ()) if type(rule) is tuple]:
+            if value is not None and not check(value):
+                raise ScriptError(f"--{field.name} {value}: {'not a number' if value != value else 'must be'} "
+                                  f"{allowed}")
     claim_output_dir(args, auto)
 
 
@@ -772,16 +782,6 @@ def report_error(kind, error, traceback):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(2)
-
-
-def check_arguments(args):
-    """Refuse a number its type in Args rules out (a batch size of 0, a negative --beta, NaN)."""
-    for field in fields(args):
-        value, types = getattr(args, field.name), (field.type, *get_args(field.type))  # Optional[X]: X too
-        for allowed, check in [rule for t in types for rule in getattr(t, "__metadata__", ()) if type(rule) is tuple]:
-            if value is not None and not check(value):
-                raise ScriptError(f"--{field.name} {value}: {'not a number' if value != value else 'must be'} "
-                                  f"{allowed}")
 
 
 RUN_FILES = ("metrics.jsonl", "checkpoints", "model.safetensors", "model.safetensors.index.json")
@@ -829,7 +829,7 @@ def output_dir_verdict(args, auto, token):
            "another"
 
 
-STOP_SIGNALS = []  # signals received: request_stop appends, guard_step reads
+STOP_SIGNALS = []  # signals received (request_stop)
 
 
 def request_stop(signum, frame):
@@ -856,16 +856,6 @@ def guard_step(loss, grad_norm, step, args):
         raise ScriptError(f"step 1: no weight of --model_name_or_path {args.model_name_or_path} gets a gradient "
                           "(grad_norm 0): its weights are broken (all zero, or past float range)")
     return stop > 0
-
-
-def leave_after_signal(checkpoint):
-    """After a signal's checkpoint, exit with 128 + the signal."""
-    signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # it may have reached another rank only
-    if dist.get_rank() == 0:
-        print(f"stopped by {signal.Signals(signum).name}: checkpoint {checkpoint}; --resume_from auto continues")
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.exit(128 + signum)
 
 
 def check_local_path(path, what, auto_class=None):

@@ -92,7 +92,7 @@ def run(command, step_file=None, metrics_file=None, timeout=None, log_file=None)
 
 # extra flags per named variant: for our script, and for bench/trl_equivalent.py
 VARIANTS = {
-    "ours": {"default": [], "no_reshard": ["--no-reshard_after_forward"]},
+    "ours": {"default": [], "no_reshard": ["--no-reshard_after_forward"], "replicated": ["--shard_degree", "1"]},
     "trl": {"equal": [], "checkpointing": ["--gradient_checkpointing"]},
 }
 

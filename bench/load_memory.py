@@ -38,7 +38,7 @@ if args.worker:  # under torchrun: load and shard as sft.py does, then report th
 
     dist.init_process_group("gloo")
     flags = types.SimpleNamespace(trust_remote_code=False, gradient_checkpointing=False, bf16=True, cpu_offload=False,
-                                  reshard_after_forward=True)
+                                  reshard_after_forward=True, shard_degree=-1)
     loaded = sft.load_pretrained(sft.AutoModelForCausalLM, model_dir, flags, "--model_name_or_path")
     sft.shard_model(loaded[0] if isinstance(loaded, tuple) else loaded, flags, torch.device("cpu"))
     dist.barrier()

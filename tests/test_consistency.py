@@ -145,6 +145,7 @@ COMMON_FIELDS = [
     "bf16",
     "gradient_checkpointing",
     "cpu_offload",
+    "shard_degree",
     "reshard_after_forward",
     "log_every",
     "eval_every",

@@ -491,7 +491,7 @@ def test_generation_runs_without_fsdp_hooks_and_matches_the_plain_model(toy):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         plain = AutoModelForCausalLM.from_pretrained(toy / "model").eval()
-        args = SimpleNamespace(bf16=False, cpu_offload=False, reshard_after_forward=True,
+        args = SimpleNamespace(bf16=False, cpu_offload=False, reshard_after_forward=True, shard_degree=-1,
                                gradient_checkpointing=False)
         model = shard_model(AutoModelForCausalLM.from_pretrained(toy / "model"), args, torch.device("cpu"))
         fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -550,7 +550,8 @@ def test_generation_gathers_parameters_once(toy):
         FSDPParamGroup.unshard = counting_unshard
         for keep in (False, True):
             args = SimpleNamespace(
-                bf16=False, cpu_offload=False, reshard_after_forward=not keep, gradient_checkpointing=False
+                bf16=False, cpu_offload=False, reshard_after_forward=not keep, gradient_checkpointing=False,
+                shard_degree=-1,
             )
             model = shard_model(AutoModelForCausalLM.from_pretrained(toy / "model"), args, torch.device("cpu"))
             num_groups = 1 + model.config.num_hidden_layers

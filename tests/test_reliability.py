@@ -498,6 +498,7 @@ def test_arguments_that_cannot_be_meant_are_refused_before_loading(script, toy, 
         ("--log_every", 0, "at least 1"),
         ("--learning_rate", -1e-5, "above 0"),
         ("--warmup_ratio", 1.5, "in [0, 1]"),
+        ("--shard_degree", 2, "-1 (all) or a divisor of the processes"),  # 1 process here
     ]
     bad += {
         "dpo.py": [("--beta", -0.1, "above 0"), ("--beta", 0.0, "above 0")],

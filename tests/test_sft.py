@@ -8,6 +8,7 @@ import torch
 from conftest import read_metrics, reference_logprobs, run_script, tiny_gpt2
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import sft
 from sft import (
     completion_logprobs,
     global_batch,
@@ -187,9 +188,13 @@ def test_load_split_file_folder_and_saved(toy, tmp_path):
     )
 
 
-def test_rank_micro_batches_cover_every_row_once_with_equal_counts_per_rank():
+def test_rank_micro_batches_cover_every_row_once_with_equal_counts_per_rank(monkeypatch):
     for num_rows, world_size, size in [(10, 3, 2), (7, 2, 4), (1, 2, 3), (64, 4, 8)]:
-        shares = [list(rank_micro_batches(num_rows, r, world_size, size)) for r in range(world_size)]
+        monkeypatch.setattr(sft.dist, "get_world_size", lambda: world_size)
+        shares = []
+        for r in range(world_size):  # each rank's view
+            monkeypatch.setattr(sft.dist, "get_rank", lambda: r)
+            shares.append(list(rank_micro_batches(num_rows, size)))
         assert len({len(s) for s in shares}) == 1  # as many forwards on every rank: FSDP's collectives line up
         valid_rows = [i for s in shares for rows, valid in s if valid for i in rows]
         assert sorted(valid_rows) == list(range(num_rows))

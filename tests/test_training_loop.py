@@ -1,9 +1,9 @@
 """The training-loop invariants of DESIGN.md, for every script (sft.py, reward.py, dpo.py, grpo.py and its online
 DPO, ppo.py): the same global batch split three ways gives the same losses and weights (the third also with
---no-reshard_after_forward); the LR schedule is exact and ends at the last optimizer step; a run stopped by SIGTERM or
-SIGKILL and resumed with --resume_from auto continues bit for bit. grpo.py and ppo.py sample their own data: their
-rollouts do not depend on the number of processes (generation chunks are seeded by rollout and chunk), so the same
-comparisons hold."""
+--no-reshard_after_forward and --shard_degree 1: replicated, not sharded); the LR schedule is exact and ends at the
+last optimizer step; a run stopped by SIGTERM or SIGKILL and resumed with --resume_from auto continues bit for bit.
+grpo.py and ppo.py sample their own data: their rollouts do not depend on the number of processes (generation chunks
+are seeded by rollout and chunk), so the same comparisons hold."""
 
 import concurrent.futures
 import json
@@ -121,8 +121,9 @@ def split_runs(request, toy, tmp_path_factory):
             + extra
             + ["--per_device_train_batch_size", mb, "--gradient_accumulation_steps", ga, "--save_every", 6]
         )
-        if ga > 1:  # parameters kept gathered from forward to backward (and, grpo/ppo, from generation on): same run
-            args.append("--no-reshard_after_forward")
+        if ga > 1:  # parameters kept gathered from forward to backward (and, grpo/ppo, from generation on), and the
+            # model replicated on both processes (HSDP of 2 groups of 1, DDP's traffic): the same run
+            args += ["--no-reshard_after_forward", "--shard_degree", 1]
         launches.append((script, args, nproc))
     for result in run_scripts(launches):  # the three at once
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
@@ -243,7 +244,8 @@ def test_sigterm_or_sigkill_then_resume_auto_continues_the_same_run(split_runs):
     those of the uninterrupted run, bit for bit. SIGTERM: a checkpoint at the next optimizer step (grpo and ppo: at the
     end of the rollout's updates). SIGKILL (sft): nothing saved then; the run continues from the latest complete
     checkpoint of --save_every (every 6 steps), recomputing the lost steps. sft also continues a 2-process checkpoint on
-    1 process (same global batch): the same run to the split tolerance."""
+    1 process (same global batch), and a replicated run's checkpoint (--shard_degree 1) sharded over 2 processes: the
+    same run to the split tolerance."""
     script, model, root, runs, extra = split_runs
     straight = runs[(2, 4, 1)]
     rl = script in RL
@@ -271,7 +273,12 @@ def test_sigterm_or_sigkill_then_resume_auto_continues_the_same_run(split_runs):
     # checkpoint: DCP reshards; equal to the split tolerance
     one_process = common_args(script, model, root / "small.jsonl", root / "one_process")
     one_process += ["--per_device_train_batch_size", 8, "--resume_from", straight / "checkpoints" / "step_6"]
-    launches = [(script, args[kill], 2) for kill in kills] + ([(script, one_process, 1)] if script == "sft.py" else [])
+    # and the replicated run's checkpoint (--shard_degree 1) continued sharded over the 2 processes (the default)
+    resharded = common_args(script, model, root / "small.jsonl", root / "resharded")
+    replicated = runs.get((2, 1, 4), root) / "checkpoints" / "step_6"  # sft's
+    resharded += ["--per_device_train_batch_size", 4, "--resume_from", replicated]
+    launches = [(script, args[kill], 2) for kill in kills]
+    launches += [(script, one_process, 1), (script, resharded, 2)] if script == "sft.py" else []
     results = run_scripts(launches)
     for kill, result in zip(kills, results):
         message = (script, "SIGKILL" if kill else "SIGTERM", stops[kill])
@@ -279,17 +286,16 @@ def test_sigterm_or_sigkill_then_resume_auto_continues_the_same_run(split_runs):
         assert UNTIMED(read_metrics(outs[kill])) == UNTIMED(read_metrics(straight)), message
         a, b = load_file(straight / "model.safetensors"), load_file(outs[kill] / "model.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a), message
-    if script == "sft.py":
-        result, out = results[-1], root / "one_process"
+    for result, out in zip(results[len(kills) :], [root / "one_process", root / "resharded"]):  # sft
         assert result.returncode == 0 and "(written by 2 processes)" in result.stdout, (
             result.stdout[-2000:] + result.stderr[-8000:]
         )
         rows, want = read_metrics(out), read_metrics(straight)[6:]
-        assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in want], rel=1e-4)
+        assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in want], rel=1e-4), out
         assert [r["step"] for r in rows] == list(range(7, 13))
         a, b = load_file(straight / "model.safetensors"), load_file(out / "model.safetensors")
         for name in a:
-            torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-5, msg=name)
+            torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-5, msg=f"{out} {name}")
 
 
 LOAD_SCRIPT = r"""
@@ -301,7 +307,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 dist.init_process_group("gloo")
 args = types.SimpleNamespace(trust_remote_code=False, gradient_checkpointing=False, bf16=False, cpu_offload=False,
-                             reshard_after_forward=True, seed=3, model_name_or_path=sys.argv[1])
+                             reshard_after_forward=True, shard_degree=-1, seed=3, model_name_or_path=sys.argv[1])
 cpu = torch.device("cpu")
 
 
@@ -352,7 +358,8 @@ def test_weights_read_by_one_process_load_bit_identical(toy, tmp_path):
 def test_two_nodes_share_one_output_dir_or_stop(toy, tmp_path):
     """Two nodes simulated on this machine (torchrun --nnodes 2, one process each, static rendezvous). With a folder
     per node (as on node-local disks) every process stops at start: the second node does not see the first's claim
-    in its folder. With one shared folder the run is bit-identical to one node of 2 processes."""
+    in its folder. With one shared folder the run is bit-identical to one node of 2 processes, sharded over both or
+    (--shard_degree 1) replicated."""
     from launch import free_port
 
     data = tmp_path / "small.jsonl"
@@ -361,20 +368,25 @@ def test_two_nodes_share_one_output_dir_or_stop(toy, tmp_path):
             "--per_device_train_batch_size", 4, "--log_every", 1]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"]
 
-    def two_nodes(out0, out1):
+    def two_nodes(out0, out1, *extra):
         port, env = free_port(), script_env()
-        nodes = [subprocess.Popen(torchrun + ["1", "--nnodes", "2", "--node_rank", str(rank), "--master_addr",
-                                              "127.0.0.1", "--master_port", str(port)] + [str(a) for a in args]
-                                  + ["--output_dir", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        command = lambda rank: torchrun + ["1", "--nnodes", "2", "--node_rank", str(rank), "--master_addr", "127.0.0.1",
+                                           "--master_port", str(port)] + [str(a) for a in args + [*extra]]
+        nodes = [subprocess.Popen(command(rank) + ["--output_dir", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True) for rank, out in enumerate((out0, out1))]
         return [(node.wait(timeout=300), node.stdout.read()) for node in nodes]
 
+    def one_node(out, *extra):
+        return subprocess.run(torchrun + ["2"] + [str(a) for a in args + [*extra]] + ["--output_dir", str(out)],
+                              cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+
     (code0, log0), (code1, _) = two_nodes(tmp_path / "node0", tmp_path / "node1")
     assert code0 != 0 and code1 != 0 and "is not the first node's: give a shared folder" in log0, log0[-3000:]
-    assert [code for code, _ in two_nodes(tmp_path / "shared", tmp_path / "shared")] == [0, 0]
-    one_node = subprocess.run(torchrun + ["2"] + [str(a) for a in args] + ["--output_dir", str(tmp_path / "one")],
-                              cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
-    assert one_node.returncode == 0, one_node.stderr[-3000:]
-    assert UNTIMED(read_metrics(tmp_path / "shared")) == UNTIMED(read_metrics(tmp_path / "one"))
-    a, b = load_file(tmp_path / "shared" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # sharded over the two nodes (the default), and replicated on each (--shard_degree 1: a node holds a whole model)
+    for extra, shared, one in (([], "shared", "one"), (["--shard_degree", 1], "shared_replicated", "one_replicated")):
+        assert [code for code, _ in two_nodes(tmp_path / shared, tmp_path / shared, *extra)] == [0, 0]
+        result = one_node(tmp_path / one, *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert UNTIMED(read_metrics(tmp_path / shared)) == UNTIMED(read_metrics(tmp_path / one)), extra
+        a, b = load_file(tmp_path / shared / "model.safetensors"), load_file(tmp_path / one / "model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), extra
