@@ -1,17 +1,20 @@
-"""What each detail changes, measured on the offline toy task. Every run is one of the scripts with its own flags:
+"""What each detail changes, measured on the offline toy tasks. Every run is one of the scripts with its own flags:
 this file only picks the flags, reads each run's metrics.jsonl, scores the final models and draws.
 
-    python examples/details.py          # about 22 minutes on 2 CPU cores: runs/details/*.png and table.md
+    python examples/details.py          # about 80 minutes on 2 CPU cores: runs/details/*.png and table.md
     FAST=1 python examples/details.py   # 2 steps of each run, one seed, one process (what a test runs)
 
 It starts from the quickstart's SFT and reward models (QS, default runs/quickstart: sft/ and reward/), training them
 first with the quickstart's flags when they are missing, and writes the toy task (TOY, default toy) when missing.
 OUT (default runs/details) gets one folder and one log per run, a figure per finding and table.md. A run whose folder
 holds a finished model of the same command is not run again. NPROC (default 2; FAST: 1) processes per run,
-PARALLEL (default 1; 2 when NPROC is 1) runs at a time.
+PARALLEL (default 1; 2 when NPROC is 1) runs at a time. ONLY=length_bias,dpo runs and reports those findings alone.
+The running-sum findings start from their own SFT model (OUT/sums_sft, 1,500 steps, on the task SUMS, default
+sums, written when missing by examples/sum_task.py).
 """
 
 import functools
+import glob
 import json
 import os
 import random
@@ -22,16 +25,21 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from quickstart_report import learning_curve  # noqa: E402
-from toy_task import demonstrators_mistake, greedy_scores, load_causal_lm, other_mistake, write_toy_task  # noqa: E402
+from quickstart_report import load_checkpoint_weights  # noqa: E402
+from sum_task import COUNTS, count_of, count_scores, last_number, write_sum_task  # noqa: E402
+from toy_task import completions_of, demonstrators_mistake, greedy_scores, load_causal_lm, other_mistake  # noqa: E402
+from toy_task import write_toy_task  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = os.environ.get("FAST") == "1"
 NPROC = int(os.environ.get("NPROC", "1" if FAST else "2"))
 PARALLEL = int(os.environ.get("PARALLEL", "2" if NPROC == 1 else "1"))  # runs at a time
-OUT, QS, TOY = (os.path.abspath(os.environ.get(k, v)) for k, v in
-                (("OUT", "runs/details"), ("QS", "runs/quickstart"), ("TOY", "toy")))
+OUT, QS, TOY, SUMS = (os.path.abspath(os.environ.get(k, v)) for k, v in
+                      (("OUT", "runs/details"), ("QS", "runs/quickstart"), ("TOY", "toy"), ("SUMS", "sums")))
 SEEDS = [1] if FAST else [1, 2]
 MB = 32 // NPROC  # a global batch of 32 rows whatever the number of processes
 
@@ -70,6 +78,11 @@ def base_models():
     run("reward.py", f"{QS}/reward", *f"--model_name_or_path {QS}/sft --dataset_name {TOY}/preference "
         f"--learning_rate 3e-4 --num_train_epochs 2 --max_steps {steps(-1, 5)} {common}".split())
     write_slips()
+    if any(f"{SUMS}/prompts" in runs[0][2] for _, _, runs, _ in FINDINGS):  # the running-sum task, its SFT model
+        if not os.path.exists(os.path.join(SUMS, "model")):
+            write_sum_task(SUMS, num_train=512 if FAST else 8000, num_test=30 if FAST else 300)
+        run("sft.py", f"{OUT}/sums_sft", *f"--model_name_or_path {SUMS}/model --dataset_name {SUMS}/sft "
+            f"--learning_rate 1e-3 --max_steps {steps(1500, 10)} --log_every 250 {common}".split())
 
 
 def write_slips():
@@ -134,6 +147,59 @@ def exact_match(name, seed):
                                                                                     (0, sft_scores()))]
 
 
+NUM_SAMPLES = 2 if FAST else 4  # samples a test prompt for the lengths of right and wrong answers
+
+
+def sums_rows():
+    return [json.loads(line) for line in open(os.path.join(SUMS, "prompts", "test.jsonl"))]
+
+
+@functools.cache
+def sums_sft_scores():
+    return count_scores(*load_causal_lm(f"{OUT}/sums_sft"), sums_rows(), NUM_SAMPLES)
+
+
+def sums_curve(name, seed):
+    """A running-sum run: its final greedy accuracy by count of numbers, [(step, accuracy)] at each checkpoint from
+    the SFT model's, and at the same steps the wrong samples' mean length (T = 1) and how far it passes the right
+    working's."""
+    folder, rows = f"{OUT}/{name}_s{seed}", sums_rows()
+    model, tok = load_causal_lm(folder)
+    final = count_scores(model, tok, rows, NUM_SAMPLES)
+    points = [(0, sums_sft_scores())]
+    for path in sorted(glob.glob(f"{folder}/checkpoints/step_*"), key=lambda p: int(p.rsplit("_", 1)[1])):
+        load_checkpoint_weights(model, path)
+        points.append((int(path.rsplit("_", 1)[1]), count_scores(model, tok, rows, NUM_SAMPLES)))
+    panels = {title: [(step, s["all"][key]) for step, s in points] for title, key in
+              (("wrong samples: mean length (characters)", "wrong_length"),
+               ("wrong samples: length past the right working's", "wrong_excess"))}
+    panels["greedy accuracy at the last step, by count"] = [(c, final[c]["greedy"]) for c in COUNTS]
+    return {str(c): final[c]["greedy"] for c in COUNTS}, [(step, s["all"]["greedy"]) for step, s in points], panels
+
+
+def advantage_by_count(num_generations=8):
+    """What group std scaling does to a prompt's weight: the mean |advantage| of the SFT model's completions (G = 8
+    samples a test prompt, the first rollout in effect), by count of numbers, divided by the group's std or not."""
+    model, tok = load_causal_lm(f"{OUT}/sums_sft")
+    rows = sums_rows()
+    torch.manual_seed(0)
+    texts = completions_of(model, tok, [r["prompt"] for r in rows], num_generations, 1.0, max_new_tokens=64)
+    rewards = torch.tensor([float(last_number(t) == r["answer"]) for i, r in enumerate(rows)
+                            for t in texts[i * num_generations : (i + 1) * num_generations]]).view(len(rows), -1)
+    centred = rewards - rewards.mean(1, keepdim=True)
+    weights = {"group std": (centred / (rewards.std(1, keepdim=True) + 1e-4)).abs().mean(1),
+               "none": centred.abs().mean(1)}
+    counts = torch.tensor([count_of(r["prompt"]) for r in rows])
+    return {name: [(c, w[counts == c].mean().item()) for c in COUNTS] for name, w in weights.items()}
+
+
+def score_run(runner, name, seed, sums):
+    """A run's final scores, its learning curve and the extra panels of its figure."""
+    if sums:
+        return sums_curve(name, seed)
+    return (*exact_match(name, seed), {}) if runner is not ppo else (None, [], {})
+
+
 # Each finding: (its name, a title that reads alone, the runs as (label, runner, flags), the metrics to draw, what
 # the table reports). The runs share folders by name: "grpo_base" is the quickstart's GRPO at 20 steps. A flag given
 # after the runner's own overrides it (the last of a flag wins).
@@ -184,6 +250,22 @@ FINDINGS = [
 ]
 
 
+# the running-sum task (examples/sum_task.py): grpo()'s flags but these, from its SFT model, 100 steps, a checkpoint
+# every 50 (scored by count of numbers: sums_curve), completions up to 64 tokens
+SUMS_RUN = ["--model_name_or_path", f"{OUT}/sums_sft", "--dataset_name", f"{SUMS}/prompts", "--reward_fn",
+            "last_number", "--max_completion_length", 64, "--max_steps", steps(100), "--save_every", steps(50, 2),
+            "--eval_every", steps(25, 2)]
+FINDINGS += [
+    ("length_bias", "Running sums, GRPO: each completion's mean loss and the group's std (GRPO) against a constant "
+     "divisor and no std (Dr. GRPO)",
+     [("sequence, group std", grpo, [*SUMS_RUN, "--loss_type", "sequence"]),
+      ("constant, none", grpo, [*SUMS_RUN, "--loss_type", "constant", "--scale_rewards", "none"])],
+     ["completions/mean_length", "objective/scores", "eval/scores"]),
+]
+ONLY = os.environ.get("ONLY")  # the findings to run, comma-separated (default: all)
+FINDINGS = [finding for finding in FINDINGS if not ONLY or finding[0] in ONLY.split(",")]
+
+
 def folder_name(runner, flags):
     """A run's folder, named by its script and flags (the same for every finding that shares the run)."""
     return "grpo_base" if (runner, flags) == BASE[1:] else f"{runner.__name__}_" + "_".join(
@@ -203,22 +285,33 @@ def main():
         list(pool.map(lambda job: job[0](job[1], job[2], *job[3]), sorted(jobs, key=lambda job: job[1:3])))
     results, table = {}, ["# What the details change (examples/details.py)", ""]
     for finding, title, runs, metrics in FINDINGS:
-        results[finding] = {}
-        table += [f"## {title}", "", "| run | seed | " + " | ".join(metrics) + " (last step) | exact match: all / "
-                  "flawed / other | exact match at checkpoints | s/step (wall) |", "|---" * (len(metrics) + 5) + "|"]
+        results[finding], sums = {}, f"{SUMS}/prompts" in runs[0][2]
+        scored = ("greedy accuracy by count 2 / 3 / 4 / 5 / 6 | accuracy at checkpoints | wrong ; right sample length "
+                  "at checkpoints" if sums else "exact match: all / flawed / other | exact match at checkpoints")
+        table += [f"## {title}", "", f"| run | seed | {' | '.join(metrics)} (last step) | {scored} | s/step (wall) |",
+                  "|---" * (len(metrics) + 5 + sums) + "|"]
         for label, runner, flags in runs:
             name = folder_name(runner, flags)
             for seed in SEEDS:
                 rows = runner(name, seed, *flags)
-                em, curve = exact_match(name, seed) if runner is not ppo else (None, [])
-                results[finding].setdefault(label, []).append({"rows": rows, "exact_match": em, "curve": curve})
+                em, curve, panels = score_run(runner, name, seed, sums)
+                results[finding].setdefault(label, []).append({"rows": rows, "exact_match": em, "curve": curve,
+                                                               "panels": panels})
                 last = " | ".join(f"{rows[-1][m]:.4g}" if m in rows[-1] else "-" for m in metrics)
                 scores = " / ".join(f"{v:.3f}" for v in em.values()) if em else ""
-                at = ", ".join(f"{step}: {v:.3f}" for step, v in curve) or "-"
+                at = [", ".join(f"{step}: {v:.3f}" for step, v in curve) or "-"]
+                at += [" ; ".join(", ".join(f"{x}: {y:.1f}" for x, y in points) for key, points in panels.items()
+                                  if "length" in key)] * sums
                 per_step = float(open(f"{OUT}/{name}_s{seed}/seconds.txt").read()) / rows[-1]["step"]
-                table.append(f"| {label} | {seed} | {last} | {scores} | {at} | {per_step:.2f} |")
+                table.append(f"| {label} | {seed} | {last} | {scores} | {' | '.join(at)} | {per_step:.2f} |")
+        weights = advantage_by_count() if sums else None  # the weight group std scaling gives a prompt, by difficulty
+        if sums:
+            results[f"{finding}/advantage_by_count"] = weights
+            by_count = [f"{key} " + " / ".join(f"{w:.2f}" for _, w in points) for key, points in weights.items()]
+            table += ["", "Mean |advantage| of the SFT model's 8 samples a test prompt, by count 2 / 3 / 4 / 5 / 6: "
+                      + "; ".join(by_count)]
         table.append("")
-        draw(finding, title, results[finding], metrics)
+        draw(finding, title, results[finding], metrics, weights)
     seconds = time.time() - start
     table.append(f"{NPROC} processes a run; {seconds / 60:.1f} minutes in all (runs already there not rerun).")
     open(os.path.join(OUT, "table.md"), "w").write("\n".join(table) + "\n")
@@ -226,9 +319,9 @@ def main():
     print("\n".join(table))
 
 
-def draw(finding, title, runs, metrics):
-    """One figure per finding: a panel per metric over the optimizer steps (and the exact match at checkpoints, where
-    the runs have some), a colour per run, a line per seed."""
+def draw(finding, title, runs, metrics, weights=None):
+    """One figure per finding: a panel per metric over the optimizer steps, the accuracy at checkpoints and the runs'
+    extra panels (running sums), a colour per run, a line per seed; and `weights`, {scaling: [(count, mean |A|)]}."""
     try:
         import matplotlib
 
@@ -236,23 +329,37 @@ def draw(finding, title, runs, metrics):
         import matplotlib.pyplot as plt
     except ImportError:
         return print("matplotlib is not installed: no figure")
-    curves = any(seed["curve"] for seeds in runs.values() for seed in seeds)
-    panels = metrics + ["exact match at checkpoints"] * curves
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    for ax, metric in zip(axes[0], panels):
-        for colour, (label, seeds) in enumerate(runs.items()):
-            for k, seed in enumerate(seeds):
-                if metric in metrics:
-                    points = [(r["step"], r[metric]) for r in seed["rows"] if metric in r]
-                else:
-                    points = seed["curve"]
-                ax.plot(*zip(*points), color=f"C{colour}", alpha=0.85 if k == 0 else 0.45,
-                        label=label if k == 0 else None)
-        ax.set_title(metric, fontsize=10)
-        ax.set_xlabel("optimizer step")
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"{title}\n(toy task, {len(SEEDS)} seed{'s' if len(SEEDS) > 1 else ''} each: "
-                 "the fainter line is seed 2)", fontsize=10)
+    curve = ("greedy accuracy" if weights else "exact match") + " at checkpoints"
+    seeds = [seed for by_seed in runs.values() for seed in by_seed]
+    panels = metrics + [curve] * any(seed["curve"] for seed in seeds)
+    panels += list(dict.fromkeys(key for seed in seeds for key in seed["panels"]))
+
+    def series(panel):  # (label, seed index, points) of each line
+        if panel in metrics:
+            points = lambda seed: [(r["step"], r[panel]) for r in seed["rows"] if panel in r]
+        else:
+            points = lambda seed: seed["curve"] if panel == curve else seed["panels"][panel]
+        return [(label, k, points(seed)) for label, by_seed in runs.items() for k, seed in enumerate(by_seed)]
+
+    lines = {panel: series(panel) for panel in panels}
+    if weights:
+        lines["mean |advantage| of the SFT model's samples, by count"] = [(k, 0, v) for k, v in weights.items()]
+    rows, columns = -(-len(lines) // 4), min(len(lines), 4)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.4 * rows), squeeze=False)
+    for ax, (panel, panel_lines) in zip(axes.flat, lines.items()):
+        colours = {label: f"C{i}" for i, label in enumerate(dict.fromkeys(label for label, _, _ in panel_lines))}
+        for label, k, points in panel_lines:
+            ax.plot(*zip(*points), color=colours[label], alpha=0.85 if k == 0 else 0.45, marker="." if len(points) < 8
+                    else None, label=label if k == 0 else None)
+        ax.set_title(panel, fontsize=9)
+        ax.set_xlabel("numbers in the prompt" if "by count" in panel else "optimizer step")
+        if panel in (panels[0], *list(lines)[len(panels) :]):
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(lines) :]:
+        ax.axis("off")
+    task = "running-sum" if weights else "toy"
+    fig.suptitle(f"{title}\n({task} task, {len(SEEDS)} seed{'s' * (len(SEEDS) > 1)} each: the fainter line is seed 2)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(os.path.join(OUT, f"{finding}.png"), dpi=90)
     plt.close(fig)

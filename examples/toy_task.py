@@ -96,8 +96,8 @@ def write_jsonl(path, rows):
             f.write(json.dumps(row) + "\n")
 
 
-def write_toy_task(out, seed=0, num_train=4000, num_test=200):
-    rng = random.Random(seed)
+def write_model(out, seed=0):
+    """The byte tokenizer and a tiny random Qwen2 (about 1M parameters) in out/model; its tokenizer."""
     tok = make_tokenizer()
     tok.save_pretrained(f"{out}/model")
     torch.manual_seed(seed)
@@ -120,6 +120,12 @@ def write_toy_task(out, seed=0, num_train=4000, num_test=200):
     reloaded = AutoTokenizer.from_pretrained(f"{out}/model")
     probe = "sort: 31415 -> 11345<|eos|><|user|>é\n"
     assert reloaded(probe)["input_ids"] == tok(probe)["input_ids"], "the saved tokenizer does not round-trip"
+    return tok
+
+
+def write_toy_task(out, seed=0, num_train=4000, num_test=200):
+    rng = random.Random(seed)
+    write_model(out, seed)
 
     seen, test = set(), []
     while len(test) < num_test:  # test prompts first, and never in any train split

@@ -89,18 +89,19 @@ def test_details_fast_mode(tmp_path, monkeypatch):
     time): it trains its SFT and reward models first, every run of every finding is the script with the finding's
     own flags, and each finding gets its table rows and (with matplotlib) its figure. What the findings show is
     measured by the full mode (README, "What the details change")."""
-    out, qs, toy = tmp_path / "details", tmp_path / "qs", tmp_path / "toy"
-    env = script_env({"FAST": "1", "OUT": str(out), "QS": str(qs), "TOY": str(toy)})
+    out, qs, toy, sums = tmp_path / "details", tmp_path / "qs", tmp_path / "toy", tmp_path / "sums"
+    env = script_env({"FAST": "1", "OUT": str(out), "QS": str(qs), "TOY": str(toy), "SUMS": str(sums)})
     command = [sys.executable, "examples/details.py"]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-8000:]
-    for name, value in (("FAST", "1"), ("OUT", str(out)), ("QS", str(qs)), ("TOY", str(toy))):
+    for name, value in (("FAST", "1"), ("OUT", str(out)), ("QS", str(qs)), ("TOY", str(toy)), ("SUMS", str(sums))):
         monkeypatch.setenv(name, value)  # FINDINGS (steps, paths in flags) as the fast run computed them
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     details = importlib.reload(importlib.import_module("details"))
 
     table = open(out / "table.md").read()
     assert read_metrics(qs / "sft")[-1]["step"] == 10 and read_metrics(qs / "reward")[-1]["step"] == 5
+    assert read_metrics(out / "sums_sft")[-1]["step"] == 10  # the running-sum task's SFT model
     for finding, title, runs, metrics in details.FINDINGS:
         section = table.split(f"## {title}\n")[1].split("\n## ")[0]
         for label, runner, flags in runs:

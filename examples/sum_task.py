@@ -1,0 +1,110 @@
+"""The second offline task: a running sum worked step by step, with prompts of graded difficulty and a flawed
+demonstrator. Built so that what the details change has room to show (the sorting task's completions are 3-8 tokens
+and every RL stage ends near 1.00 on it).
+
+    python examples/sum_task.py --out sums     # sums/model, sums/sft, sums/preference, sums/prompts
+
+Prompt "sum: 23 7 41 ->", right completion " 23+7=30 30+41=71" (then EOS): 2 to 6 numbers of 1-99, so completions run
+from 6 to about 60 tokens and grow with the count (room for the length of right and of wrong answers to move). The
+count is the difficulty: every step is an addition the model can get wrong, so long lists stay hard for a model of 1M
+parameters. The demonstrator skips one number (never the first) more often the longer the list (SKIP), a plausible,
+consistent mistake that SFT imitates, so imitation stops below what the verifier rewards. grpo.py's
+`--reward_fn last_number` is the verifier: the last number of the completion against the prompt's `answer`. The
+preference pairs (for offline DPO) prefer the right working over the demonstrator's skip, or over a last sum off by one.
+"""
+
+import argparse
+import os
+import random
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch  # noqa: E402
+from toy_task import completions_of, write_jsonl, write_model  # noqa: E402
+
+COUNTS = range(2, 7)  # numbers in a prompt: the difficulty, uniform over the prompts
+SKIP = {2: 0.0, 3: 0.2, 4: 0.4, 5: 0.6, 6: 0.8}  # the demonstrator's chance of skipping a number, by count
+
+
+def worked(numbers):
+    """The right completion: each partial sum as an addition, " 23+7=30 30+41=71"."""
+    total, parts = numbers[0], []
+    for x in numbers[1:]:
+        parts.append(f"{total}+{x}={total + x}")
+        total += x
+    return " " + " ".join(parts)
+
+
+def demonstrate(rng, numbers):
+    """The flawed demonstrator: it skips one number (not the first) with probability SKIP[count]."""
+    if rng.random() < SKIP[len(numbers)]:
+        i = rng.randrange(1, len(numbers))
+        numbers = numbers[:i] + numbers[i + 1 :]
+    return worked(numbers)
+
+
+def numbers_of(prompt):
+    return [int(x) for x in prompt.split("->")[0].split()[1:]]
+
+
+def count_of(prompt):
+    return len(numbers_of(prompt))
+
+
+def last_number(text):
+    found = re.findall(r"\d+", text)
+    return found[-1] if found else None
+
+
+def write_sum_task(out, seed=0, num_train=8000, num_test=300):
+    """The model, the SFT demonstrations, the preference pairs (the right working over the demonstrator's, where it
+    skipped; else over the right working with one sum off by one) and the prompts with their answers."""
+    rng, seen, lists = random.Random(seed), set(), []
+    write_model(out, seed)
+    while len(lists) < num_test + num_train:  # distinct lists: no test prompt among the training ones
+        numbers = tuple(rng.randint(1, 99) for _ in range(rng.choice(COUNTS)))
+        if numbers not in seen:
+            seen.add(numbers)
+            lists.append(list(numbers))
+    for split, part in (("test", lists[:num_test]), ("train", lists[num_test:])):
+        prompts = ["sum: " + " ".join(map(str, n)) + " ->" for n in part]
+        demos = [demonstrate(rng, n) for n in part]
+        right = [worked(n) for n in part]
+        wrong = [d if d != r else r[: r.rindex("=") + 1] + str(sum(n) + rng.choice([-1, 1]))
+                 for d, r, n in zip(demos, right, part)]
+        write_jsonl(f"{out}/sft/{split}.jsonl", [{"prompt": p, "completion": d} for p, d in zip(prompts, demos)])
+        write_jsonl(f"{out}/preference/{split}.jsonl",
+                    [{"prompt": p, "chosen": r, "rejected": w} for p, r, w in zip(prompts, right, wrong)])
+        answers = [{"prompt": p, "answer": str(sum(n))} for p, n in zip(prompts, part)]
+        write_jsonl(f"{out}/prompts/{split}.jsonl", answers)
+
+
+def count_scores(model, tok, rows, num_samples=8, seed=0):
+    """By count of numbers: greedy accuracy, the share of T = 1 samples that are right, the mean length (characters)
+    of the right and of the wrong samples, and by how much the wrong ones pass the right working's length (below 0: a
+    skipped step; above: steps repeated or made up); "all": the same over every row."""
+    prompts, answers = [r["prompt"] for r in rows], [r["answer"] for r in rows]
+    greedy = completions_of(model, tok, prompts, max_new_tokens=64)
+    torch.manual_seed(seed)
+    samples = completions_of(model, tok, prompts, num_samples, 1.0, max_new_tokens=64)
+    scores = {}
+    for count in [*COUNTS, "all"]:
+        rows = [i for i, p in enumerate(prompts) if count in ("all", count_of(p))]
+        drawn = [(t, last_number(t) == answers[i], len(worked(numbers_of(prompts[i])).strip())) for i in rows
+                 for t in samples[i * num_samples : (i + 1) * num_samples]]
+        right, wrong = [len(t) for t, ok, _ in drawn if ok], [(len(t), n) for t, ok, n in drawn if not ok]
+        scores[count] = {"greedy": sum(last_number(greedy[i]) == answers[i] for i in rows) / len(rows),
+                         "sampled": len(right) / len(drawn), "right_length": sum(right) / max(1, len(right)),
+                         "wrong_length": sum(n for n, _ in wrong) / max(1, len(wrong)),
+                         "wrong_excess": sum(n - m for n, m in wrong) / max(1, len(wrong))}
+    return scores
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder to write the task to")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    write_sum_task(args.out, args.seed)
+    print(f"wrote {args.out}/model, {args.out}/sft, {args.out}/preference, {args.out}/prompts")
