@@ -14,7 +14,6 @@ sums, written when missing by examples/sum_task.py).
 """
 
 import functools
-import glob
 import json
 import os
 import random
@@ -29,7 +28,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from quickstart_report import learning_curve  # noqa: E402
-from quickstart_report import load_checkpoint_weights  # noqa: E402
 from sum_task import COUNTS, count_of, count_scores, last_number, write_sum_task  # noqa: E402
 from toy_task import completions_of, demonstrators_mistake, greedy_scores, load_causal_lm, other_mistake  # noqa: E402
 from toy_task import write_toy_task  # noqa: E402
@@ -166,10 +164,8 @@ def sums_curve(name, seed):
     folder, rows = f"{OUT}/{name}_s{seed}", sums_rows()
     model, tok = load_causal_lm(folder)
     final = count_scores(model, tok, rows, NUM_SAMPLES)
-    points = [(0, sums_sft_scores())]
-    for path in sorted(glob.glob(f"{folder}/checkpoints/step_*"), key=lambda p: int(p.rsplit("_", 1)[1])):
-        load_checkpoint_weights(model, path)
-        points.append((int(path.rsplit("_", 1)[1]), count_scores(model, tok, rows, NUM_SAMPLES)))
+    points = learning_curve(model, tok, folder, rows, (0, sums_sft_scores()),
+                            lambda model, tok, rows: count_scores(model, tok, rows, NUM_SAMPLES))
     panels = {title: [(step, s["all"][key]) for step, s in points] for title, key in
               (("wrong samples: mean length (characters)", "wrong_length"),
                ("wrong samples: length past the right working's", "wrong_excess"))}

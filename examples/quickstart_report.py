@@ -63,13 +63,14 @@ def load_checkpoint_weights(model, checkpoint):
     model.load_state_dict(weights)
 
 
-def learning_curve(model, tok, run_dir, rows, start):
-    """(step, scores) at every complete checkpoint of a run, after `start` = (0, the scores it started from)."""
+def learning_curve(model, tok, run_dir, rows, start, score=greedy_scores):
+    """(step, score(model, tok, rows)) at every complete checkpoint of a run, after `start` = (0, the scores it started
+    from)."""
     points = [start]
     checkpoints = glob.glob(os.path.join(run_dir, "checkpoints", "step_*", "checkpoint.json"))
     for path in sorted(checkpoints, key=lambda p: int(p.split("step_")[-1].split(os.sep)[0])):
         load_checkpoint_weights(model, os.path.dirname(path))
-        points.append((json.load(open(path))["step"], greedy_scores(model, tok, rows)))
+        points.append((json.load(open(path))["step"], score(model, tok, rows)))
     return points
 
 
