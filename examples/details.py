@@ -1,7 +1,7 @@
 """What each detail changes, measured on the offline toy tasks. Every run is one of the scripts with its own flags:
 this file only picks the flags, reads each run's metrics.jsonl, scores the final models and draws.
 
-    python examples/details.py          # about 80 minutes on 2 CPU cores: runs/details/*.png and table.md
+    python examples/details.py          # about 3.5 hours on 2 CPU cores: runs/details/*.png and table.md
     FAST=1 python examples/details.py   # 2 steps of each run, one seed, one process (what a test runs)
 
 It starts from the quickstart's SFT and reward models (QS, default runs/quickstart: sft/ and reward/), training them
@@ -162,10 +162,10 @@ def sums_curve(name, seed):
     the SFT model's, and at the same steps the wrong samples' mean length (T = 1) and how far it passes the right
     working's."""
     folder, rows = f"{OUT}/{name}_s{seed}", sums_rows()
-    model, tok = load_causal_lm(folder)
-    final = count_scores(model, tok, rows, NUM_SAMPLES)
-    points = learning_curve(model, tok, folder, rows, (0, sums_sft_scores()),
-                            lambda model, tok, rows: count_scores(model, tok, rows, NUM_SAMPLES))
+    score = lambda model, tok, rows: count_scores(model, tok, rows, NUM_SAMPLES)
+    points = learning_curve(*load_causal_lm(folder), folder, rows, (0, sums_sft_scores()), score)
+    last_step = json.loads(open(f"{folder}/metrics.jsonl").readlines()[-1])["step"]
+    final = points[-1][1] if points[-1][0] == last_step else score(*load_causal_lm(folder), rows)  # scored once
     panels = {title: [(step, s["all"][key]) for step, s in points] for title, key in
               (("wrong samples: mean length (characters)", "wrong_length"),
                ("wrong samples: length past the right working's", "wrong_excess"))}
@@ -203,7 +203,8 @@ BASE = ("grpo_base", grpo, [])
 # 30 steps, a checkpoint every 10 (the table scores each); online DPO: grpo.py's rollouts of 16 prompts x 8, each
 # group's best and worst completion a pair, beta and learning rate as the quickstart's DPO
 CURVE = ["--max_steps", steps(30), "--save_every", steps(10, 1)]
-ONLINE = ["--policy_loss", "dpo", "--beta", 1.0, "--gradient_accumulation_steps", 1, *CURVE]
+ONLINE_DPO = ["--policy_loss", "dpo", "--beta", 1.0, "--gradient_accumulation_steps", 1]
+ONLINE = [*ONLINE_DPO, *CURVE]
 FINDINGS = [
     ("kl_estimator", "GRPO, beta 1: the KL estimator in the loss and KL(pi || pi_ref) (k3, logged)",
      [("k1", grpo, ["--beta", 1.0, "--kl_estimator", "k1"]), ("k2", grpo, ["--beta", 1.0, "--kl_estimator", "k2"]),
@@ -247,16 +248,34 @@ FINDINGS = [
 
 
 # the running-sum task (examples/sum_task.py): grpo()'s flags but these, from its SFT model, 100 steps, a checkpoint
-# every 50 (scored by count of numbers: sums_curve), completions up to 64 tokens
+# every 50 (scored by count of numbers: sums_curve), completions up to 64 tokens (FAST: 16)
 SUMS_RUN = ["--model_name_or_path", f"{OUT}/sums_sft", "--dataset_name", f"{SUMS}/prompts", "--reward_fn",
-            "last_number", "--max_completion_length", 64, "--max_steps", steps(100), "--save_every", steps(50, 2),
-            "--eval_every", steps(25, 2)]
+            "last_number", "--max_completion_length", steps(64, 16), "--max_steps", steps(100), "--save_every",
+            steps(50, 2), "--eval_every", steps(25, 2)]
 FINDINGS += [
     ("length_bias", "Running sums, GRPO: each completion's mean loss and the group's std (GRPO) against a constant "
      "divisor and no std (Dr. GRPO)",
      [("sequence, group std", grpo, [*SUMS_RUN, "--loss_type", "sequence"]),
       ("constant, none", grpo, [*SUMS_RUN, "--loss_type", "constant", "--scale_rewards", "none"])],
      ["completions/mean_length", "objective/scores", "eval/scores"]),
+    ("sums_groups", "Running sums, GRPO (--loss_type sequence): the group size G at 128 completions a step, and "
+     "groups of 8 kept of 16 samples by rejection sampling (RSO) against all 16 kept",
+     [("G 4", grpo, [*SUMS_RUN, "--loss_type", "sequence", "--num_generations", 4]),
+      ("G 8", grpo, [*SUMS_RUN, "--loss_type", "sequence"]),
+      ("G 16", grpo, [*SUMS_RUN, "--loss_type", "sequence", "--num_generations", 16]),
+      ("G 16, 16 prompts (256 a step)", grpo, [*SUMS_RUN, "--loss_type", "sequence", "--num_generations", 16,
+                                               "--gradient_accumulation_steps", steps(8, 4)]),
+      *[(f"16 -> 8, beta {beta}", grpo, [*SUMS_RUN, "--loss_type", "sequence", "--num_candidates", 16,
+                                         "--rejection_sampling_beta", beta]) for beta in (0.5, 2.0)]],
+     ["frac_reward_zero_std", "objective/scores", "eval/scores", "time/rollout"]),
+    ("sums_dpo", "Running sums: online DPO (each group's best and worst sample, the verifier's labels) against offline "
+     "DPO (sums/preference) and GRPO",
+     [("online DPO", grpo, [*SUMS_RUN, *ONLINE_DPO]),
+      ("offline DPO", dpo, ["--model_name_or_path", f"{OUT}/sums_sft", "--dataset_name", f"{SUMS}/preference",
+                            "--beta", 1.0, "--learning_rate", 1e-4, "--max_steps", steps(100), "--save_every",
+                            steps(50, 2)]),
+      ("GRPO (sequence)", grpo, [*SUMS_RUN, "--loss_type", "sequence"])],
+     ["rewards/margins", "logps/chosen", "logps/rejected", "completions/mean_length"]),
 ]
 ONLY = os.environ.get("ONLY")  # the findings to run, comma-separated (default: all)
 FINDINGS = [finding for finding in FINDINGS if not ONLY or finding[0] in ONLY.split(",")]
@@ -282,8 +301,9 @@ def main():
     results, table = {}, ["# What the details change (examples/details.py)", ""]
     for finding, title, runs, metrics in FINDINGS:
         results[finding], sums = {}, f"{SUMS}/prompts" in runs[0][2]
-        scored = ("greedy accuracy by count 2 / 3 / 4 / 5 / 6 | accuracy at checkpoints | wrong ; right sample length "
-                  "at checkpoints" if sums else "exact match: all / flawed / other | exact match at checkpoints")
+        scored = ("greedy accuracy by count 2 / 3 / 4 / 5 / 6 | accuracy at checkpoints | wrong samples' length ; "
+                  "past the right working, at checkpoints" if sums else
+                  "exact match: all / flawed / other | exact match at checkpoints")
         table += [f"## {title}", "", f"| run | seed | {' | '.join(metrics)} (last step) | {scored} | s/step (wall) |",
                   "|---" * (len(metrics) + 5 + sums) + "|"]
         for label, runner, flags in runs:
@@ -300,14 +320,15 @@ def main():
                                   if "length" in key)] * sums
                 per_step = float(open(f"{OUT}/{name}_s{seed}/seconds.txt").read()) / rows[-1]["step"]
                 table.append(f"| {label} | {seed} | {last} | {scores} | {' | '.join(at)} | {per_step:.2f} |")
-        weights = advantage_by_count() if sums else None  # the weight group std scaling gives a prompt, by difficulty
-        if sums:
+        # the weight group std scaling gives a prompt, by difficulty
+        weights = advantage_by_count() if finding == "length_bias" else None
+        if weights:
             results[f"{finding}/advantage_by_count"] = weights
             by_count = [f"{key} " + " / ".join(f"{w:.2f}" for _, w in points) for key, points in weights.items()]
             table += ["", "Mean |advantage| of the SFT model's 8 samples a test prompt, by count 2 / 3 / 4 / 5 / 6: "
                       + "; ".join(by_count)]
         table.append("")
-        draw(finding, title, results[finding], metrics, weights)
+        draw(finding, title, results[finding], metrics, sums, weights)
     seconds = time.time() - start
     table.append(f"{NPROC} processes a run; {seconds / 60:.1f} minutes in all (runs already there not rerun).")
     open(os.path.join(OUT, "table.md"), "w").write("\n".join(table) + "\n")
@@ -315,7 +336,7 @@ def main():
     print("\n".join(table))
 
 
-def draw(finding, title, runs, metrics, weights=None):
+def draw(finding, title, runs, metrics, sums, weights=None):
     """One figure per finding: a panel per metric over the optimizer steps, the accuracy at checkpoints and the runs'
     extra panels (running sums), a colour per run, a line per seed; and `weights`, {scaling: [(count, mean |A|)]}."""
     try:
@@ -325,7 +346,7 @@ def draw(finding, title, runs, metrics, weights=None):
         import matplotlib.pyplot as plt
     except ImportError:
         return print("matplotlib is not installed: no figure")
-    curve = ("greedy accuracy" if weights else "exact match") + " at checkpoints"
+    curve = ("greedy accuracy" if sums else "exact match") + " at checkpoints"
     seeds = [seed for by_seed in runs.values() for seed in by_seed]
     panels = metrics + [curve] * any(seed["curve"] for seed in seeds)
     panels += list(dict.fromkeys(key for seed in seeds for key in seed["panels"]))
@@ -338,6 +359,7 @@ def draw(finding, title, runs, metrics, weights=None):
         return [(label, k, points(seed)) for label, by_seed in runs.items() for k, seed in enumerate(by_seed)]
 
     lines = {panel: series(panel) for panel in panels}
+    legend = next((panel for panel in panels if all(points for _, _, points in lines[panel])), panels[0])  # all runs
     if weights:
         lines["mean |advantage| of the SFT model's samples, by count"] = [(k, 0, v) for k, v in weights.items()]
     rows, columns = -(-len(lines) // 4), min(len(lines), 4)
@@ -349,11 +371,11 @@ def draw(finding, title, runs, metrics, weights=None):
                     else None, label=label if k == 0 else None)
         ax.set_title(panel, fontsize=9)
         ax.set_xlabel("numbers in the prompt" if "by count" in panel else "optimizer step")
-        if panel in (panels[0], *list(lines)[len(panels) :]):
+        if panel in (legend, *list(lines)[len(panels) :]):
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(lines) :]:
         ax.axis("off")
-    task = "running-sum" if weights else "toy"
+    task = "running-sum" if sums else "toy"
     fig.suptitle(f"{title}\n({task} task, {len(SEEDS)} seed{'s' * (len(SEEDS) > 1)} each: the fainter line is seed 2)",
                  fontsize=10)
     fig.tight_layout()

@@ -3,6 +3,7 @@ demonstrator. Built so that what the details change has room to show (the sortin
 and every RL stage ends near 1.00 on it).
 
     python examples/sum_task.py --out sums     # sums/model, sums/sft, sums/preference, sums/prompts
+    python examples/sum_task.py --out sums --steps runs/details/sums_sft   # steps skipped, kept, added (greedy)
 
 Prompt "sum: 23 7 41 ->", right completion " 23+7=30 30+41=71" (then EOS): 2 to 6 numbers of 1-99, so completions run
 from 6 to about 60 tokens and grow with the count (room for the length of right and of wrong answers to move). The
@@ -14,6 +15,7 @@ preference pairs (for offline DPO) prefer the right working over the demonstrato
 """
 
 import argparse
+import json
 import os
 import random
 import re
@@ -21,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
-from toy_task import completions_of, write_jsonl, write_model  # noqa: E402
+from toy_task import completions_of, load_causal_lm, write_jsonl, write_model  # noqa: E402
 
 COUNTS = range(2, 7)  # numbers in a prompt: the difficulty, uniform over the prompts
 SKIP = {2: 0.0, 3: 0.2, 4: 0.4, 5: 0.6, 6: 0.8}  # the demonstrator's chance of skipping a number, by count
@@ -83,7 +85,7 @@ def write_sum_task(out, seed=0, num_train=8000, num_test=300):
 def count_scores(model, tok, rows, num_samples=8, seed=0):
     """By count of numbers: greedy accuracy, the share of T = 1 samples that are right, the mean length (characters)
     of the right and of the wrong samples, and by how much the wrong ones pass the right working's length (below 0: a
-    skipped step; above: steps repeated or made up); "all": the same over every row."""
+    skipped step; above: steps repeated or made up); "all": the same over every row (0 for a count without rows)."""
     prompts, answers = [r["prompt"] for r in rows], [r["answer"] for r in rows]
     greedy = completions_of(model, tok, prompts, max_new_tokens=64)
     torch.manual_seed(seed)
@@ -94,17 +96,34 @@ def count_scores(model, tok, rows, num_samples=8, seed=0):
         drawn = [(t, last_number(t) == answers[i], len(worked(numbers_of(prompts[i])).strip())) for i in rows
                  for t in samples[i * num_samples : (i + 1) * num_samples]]
         right, wrong = [len(t) for t, ok, _ in drawn if ok], [(len(t), n) for t, ok, n in drawn if not ok]
-        scores[count] = {"greedy": sum(last_number(greedy[i]) == answers[i] for i in rows) / len(rows),
-                         "sampled": len(right) / len(drawn), "right_length": sum(right) / max(1, len(right)),
+        scores[count] = {"greedy": sum(last_number(greedy[i]) == answers[i] for i in rows) / max(1, len(rows)),
+                         "sampled": len(right) / max(1, len(drawn)), "right_length": sum(right) / max(1, len(right)),
                          "wrong_length": sum(n for n, _ in wrong) / max(1, len(wrong)),
                          "wrong_excess": sum(n - m for n, m in wrong) / max(1, len(wrong))}
     return scores
 
 
+def step_counts(model, tok, rows):
+    """The share of greedy completions with fewer additions than the prompt needs (a number skipped), as many, and
+    more (a step repeated or made up)."""
+    texts = completions_of(model, tok, [r["prompt"] for r in rows], max_new_tokens=64)
+    extra = [t.count("+") - (count_of(r["prompt"]) - 1) for t, r in zip(texts, rows)]
+    return {name: sum(test(x) for x in extra) / len(rows) for name, test in
+            (("fewer", lambda x: x < 0), ("as many", lambda x: x == 0), ("more", lambda x: x > 0))}
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="folder to write the task to")
+    parser.add_argument("--out", required=True, help="folder to write the task to (or that holds it: --steps)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", nargs="+", metavar="MODEL", help="print step_counts of these models on the test "
+                        "prompts of --out instead")
     args = parser.parse_args()
-    write_sum_task(args.out, args.seed)
-    print(f"wrote {args.out}/model, {args.out}/sft, {args.out}/preference, {args.out}/prompts")
+    if args.steps:
+        test = [json.loads(line) for line in open(os.path.join(args.out, "prompts", "test.jsonl"))]
+        for folder in args.steps:
+            shares = step_counts(*load_causal_lm(folder), test)
+            print(folder, " ".join(f"{name} {share:.3f}" for name, share in shares.items()), flush=True)
+    else:
+        write_sum_task(args.out, args.seed)
+        print(f"wrote {args.out}/model, {args.out}/sft, {args.out}/preference, {args.out}/prompts")

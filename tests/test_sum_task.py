@@ -1,0 +1,50 @@
+"""examples/sum_task.py, the running-sum task the details gallery measures on: its files say what its docstring says
+(the right working, the demonstrator's skips by count, pairs whose rejected answer is always wrong), and its scores
+count hand-written completions as a reader would."""
+
+import json
+import os
+import sys
+
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import sum_task  # noqa: E402
+
+
+def read(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_the_task_files_hold_the_right_working_the_skips_and_wrong_rejected_answers(tmp_path):
+    sum_task.write_sum_task(str(tmp_path), num_train=2000, num_test=50)
+    prompts = read(tmp_path / "prompts" / "train.jsonl")
+    sft, pairs = read(tmp_path / "sft" / "train.jsonl"), read(tmp_path / "preference" / "train.jsonl")
+    assert len(prompts) == len(sft) == len(pairs) == 2000 and len(read(tmp_path / "prompts" / "test.jsonl")) == 50
+    test_prompts = {row["prompt"] for row in read(tmp_path / "prompts" / "test.jsonl")}
+    assert not test_prompts & {row["prompt"] for row in prompts}
+    skipped = {count: [] for count in sum_task.COUNTS}
+    for row, demo, pair in zip(prompts, sft, pairs):
+        numbers = sum_task.numbers_of(row["prompt"])
+        assert row["answer"] == str(sum(numbers)) and pair["chosen"] == sum_task.worked(numbers)
+        assert sum_task.last_number(pair["chosen"]) == row["answer"] != sum_task.last_number(pair["rejected"])
+        skipped[len(numbers)].append(demo["completion"].count("+") < len(numbers) - 1)
+        if skipped[len(numbers)][-1]:  # the demonstrator's skip is the rejected answer, one step shorter
+            assert pair["rejected"] == demo["completion"] and len(pair["rejected"]) < len(pair["chosen"])
+    for count, flags in skipped.items():  # about 400 prompts a count: 3 standard errors of SKIP
+        assert abs(sum(flags) / len(flags) - sum_task.SKIP[count]) < 3 * (0.25 / len(flags)) ** 0.5 + 1e-9, count
+
+
+def test_step_counts_and_count_scores_of_hand_written_completions(monkeypatch):
+    rows = [{"prompt": "sum: 23 7 41 ->", "answer": "71"}, {"prompt": "sum: 5 6 ->", "answer": "11"}]
+    greedy = ["23+7=30 30+41=71", "5+6=11 11+6=17"]  # right; a step made up (completions_of strips the space)
+    samples = ["23+41=64", "23+7=30 30+41=71", "5+6=11", "5+6=12"]  # a skip, right; right, a slip
+    monkeypatch.setattr(sum_task, "completions_of", lambda model, tok, prompts, n=1, *_, **__: greedy if n == 1
+                        else samples)
+    assert sum_task.step_counts(None, None, rows) == {"fewer": 0.0, "as many": 0.5, "more": 0.5}
+    scores = sum_task.count_scores(None, None, rows, num_samples=2)
+    # the right working of 23 7 41 is 16 characters: the skip is 8 short of it; the slip as long as its right one
+    assert scores[3] == {"greedy": 1.0, "sampled": 0.5, "right_length": 16.0, "wrong_length": 8.0, "wrong_excess": -8.0}
+    assert scores[2] == {"greedy": 0.0, "sampled": 0.5, "right_length": 6.0, "wrong_length": 6.0, "wrong_excess": 0.0}
+    assert scores["all"] == {"greedy": 0.5, "sampled": 0.5, "right_length": 11.0, "wrong_length": 7.0,
+                             "wrong_excess": -4.0}
