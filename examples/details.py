@@ -252,20 +252,21 @@ FINDINGS = [
 SUMS_RUN = ["--model_name_or_path", f"{OUT}/sums_sft", "--dataset_name", f"{SUMS}/prompts", "--reward_fn",
             "last_number", "--max_completion_length", steps(64, 16), "--max_steps", steps(100), "--save_every",
             steps(50, 2), "--eval_every", steps(25, 2)]
+SUMS_GRPO = [*SUMS_RUN, "--loss_type", "sequence"]  # the GRPO paper's loss: the runs the findings compare against
 FINDINGS += [
     ("length_bias", "Running sums, GRPO: each completion's mean loss and the group's std (GRPO) against a constant "
      "divisor and no std (Dr. GRPO)",
-     [("sequence, group std", grpo, [*SUMS_RUN, "--loss_type", "sequence"]),
+     [("sequence, group std", grpo, SUMS_GRPO),
       ("constant, none", grpo, [*SUMS_RUN, "--loss_type", "constant", "--scale_rewards", "none"])],
      ["completions/mean_length", "objective/scores", "eval/scores"]),
     ("sums_groups", "Running sums, GRPO (--loss_type sequence): the group size G at 128 completions a step, and "
      "groups of 8 kept of 16 samples by rejection sampling (RSO) against all 16 kept",
-     [("G 4", grpo, [*SUMS_RUN, "--loss_type", "sequence", "--num_generations", 4]),
-      ("G 8", grpo, [*SUMS_RUN, "--loss_type", "sequence"]),
-      ("G 16", grpo, [*SUMS_RUN, "--loss_type", "sequence", "--num_generations", 16]),
-      ("G 16, 16 prompts (256 a step)", grpo, [*SUMS_RUN, "--loss_type", "sequence", "--num_generations", 16,
+     [("G 4", grpo, [*SUMS_GRPO, "--num_generations", 4]),
+      ("G 8", grpo, SUMS_GRPO),
+      ("G 16", grpo, [*SUMS_GRPO, "--num_generations", 16]),
+      ("G 16, 16 prompts (256 a step)", grpo, [*SUMS_GRPO, "--num_generations", 16,
                                                "--gradient_accumulation_steps", steps(8, 4)]),
-      *[(f"16 -> 8, beta {beta}", grpo, [*SUMS_RUN, "--loss_type", "sequence", "--num_candidates", 16,
+      *[(f"16 -> 8, beta {beta}", grpo, [*SUMS_GRPO, "--num_candidates", 16,
                                          "--rejection_sampling_beta", beta]) for beta in (0.5, 2.0)]],
      ["frac_reward_zero_std", "objective/scores", "eval/scores", "time/rollout"]),
     ("sums_dpo", "Running sums: online DPO (each group's best and worst sample, the verifier's labels) against offline "
@@ -274,7 +275,7 @@ FINDINGS += [
       ("offline DPO", dpo, ["--model_name_or_path", f"{OUT}/sums_sft", "--dataset_name", f"{SUMS}/preference",
                             "--beta", 1.0, "--learning_rate", 1e-4, "--max_steps", steps(100), "--save_every",
                             steps(50, 2)]),
-      ("GRPO (sequence)", grpo, [*SUMS_RUN, "--loss_type", "sequence"])],
+      ("GRPO (sequence)", grpo, SUMS_GRPO)],
      ["rewards/margins", "logps/chosen", "logps/rejected", "completions/mean_length"]),
 ]
 ONLY = os.environ.get("ONLY")  # the findings to run, comma-separated (default: all)
