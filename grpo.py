@@ -2,9 +2,8 @@
 verifier and/or a reward model), use each reward relative to its group as the advantage of all the completion's
 tokens, and optimise PPO's clipped surrogate with a KL penalty to the reference model in the loss. No value model.
 Paper: arXiv:2402.03300 (DeepSeekMath, Sec. 4.1). Variants, a flag or two each (README): DAPO, Dr. GRPO, GSPO, CISPO,
-RLOO, REINFORCE++, rejection sampling (RSO), online DPO. Unlike the paper: --loss_type token (DAPO) is the default;
-outcome rewards only; a group of equal rewards gets exactly 0 advantage; rollouts do not depend on the number of
-processes.
+RLOO, REINFORCE++, rejection sampling (RSO), online DPO. Unlike the paper: --loss_type token (DAPO) by default;
+outcome rewards only; a group of equal rewards gets 0 advantage; rollouts do not depend on the number of processes.
 Run (the toy task's command: README):
       torchrun --nproc_per_node 8 grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
           --dataset_name gsm8k_prompts.jsonl --reward_fn gsm8k --max_completion_length 512 --track
@@ -53,8 +52,9 @@ OffOrAtLeast1 = Annotated[int, ("-1 (off) or at least 1", lambda v: v == -1 or v
 Positive = Annotated[float, ("above 0", lambda v: v > 0)]
 NonNegative = Annotated[float, ("0 or more", lambda v: v >= 0)]
 Fraction = Annotated[float, ("in [0, 1]", lambda v: 0 <= v <= 1)]
-ShardDegree = Annotated[int, ("-1 (all) or a divisor of the processes",
+ShardDegree = Annotated[int, ("-1 (all) or a divisor of the {} processes",
                               lambda v: v == -1 or v >= 1 and dist.get_world_size() % v == 0)]
+Offload = Annotated[bool, ("False on a machine without a GPU", lambda v: not v or torch.cuda.is_available())]
 RESUMABLE = "may change on resume: logging, the global batch's split"
 Resumable = Annotated[TypeVar("T"), RESUMABLE]
 
@@ -107,7 +107,7 @@ class Args:
     """bf16 compute on GPU, fp32 parameters"""
     gradient_checkpointing: Resumable[bool] = False
     """recompute activations in the backward to save memory"""
-    cpu_offload: Resumable[bool] = False
+    cpu_offload: Resumable[Offload] = False
     """parameters, gradients and optimizer state in CPU memory (FSDP2's CPUOffloadPolicy)"""
     shard_degree: Resumable[ShardDegree] = -1
     """shard each model over groups of this many processes (-1: all), replicated across the groups (HSDP)"""
@@ -132,17 +132,17 @@ class Args:
     num_training_steps: Suppress[Optional[int]] = None
     """(computed) the run's optimizer steps"""
     rollout_batch_size: Resumable[Suppress[Optional[int]]] = None
-    """(computed) batch_size x num_mini_batches: the completions of a rollout"""
+    """(computed) batch_size x num_mini_batches: a rollout's completions"""
 
     # RL: rollouts and rewards
     max_prompt_length: AtLeast1 = 512
-    """longer prompts (tokens) are dropped, and counted"""
+    """longer prompts (tokens) are dropped and counted"""
     max_completion_length: AtLeast1 = 256
     """new tokens per completion (then truncated)"""
     num_generations: Annotated[int, ("at least 2", lambda v: v >= 2)] = 8
     """completions per prompt, a group (G)"""
     num_candidates: Optional[AtLeast1] = None
-    """completions sampled per prompt, of which rejection sampling keeps G"""
+    """completions sampled per prompt, rejection sampling keeping G"""
     rejection_sampling_beta: Optional[Positive] = None
     """its temperature (RSO): near 0 keeps the best, large any"""
     num_mini_batches: AtLeast1 = 1
@@ -152,15 +152,15 @@ class Args:
     local_rollout_forward_batch_size: Resumable[AtLeast1] = 64
     """completions per process per generation call or no-grad forward"""
     temperature: Positive = 1.0
-    """sampling temperature (log-probs from logits / temperature; online DPO's at 1)"""
+    """sampling temperature (log-probs from logits / T; online DPO's at 1)"""
     cache_implementation: Resumable[Literal["dynamic", "static"]] = "dynamic"
     """generation's KV cache (static: compiled on a GPU, faster after the first rollout)"""
     reward_fn: Optional[Literal["exact_match", "last_number", "gsm8k"]] = "exact_match"
     """the verifier against the answer column (None: none)"""
     prompt_column: str = "prompt"
-    """the prompts' dataset column (GSM8K: question)"""
+    """the prompts' column (GSM8K: question)"""
     answer_column: str = "answer"
-    """the answers' dataset column (GSM8K: the solution)"""
+    """the answers' column (GSM8K: the solution)"""
     reward_model_path: Optional[str] = None
     """a reward model folder written by reward.py"""
     reward_fn_weight: float = 1.0
@@ -192,33 +192,32 @@ class Args:
     loss_type: Literal["token", "sequence", "constant"] = "token"
     """what the loss sum is divided by"""
 
-
 # a number: -1,234.5 or 1234, not a part of 1,2345, 3/4, 2^4 or 1e3
 NUMBER = r"(?<![\d.,/^eE])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d,.]?\d|/\d|\^|[eE][-+]?\d)"
 
 
 def parse_answer(text, reward_fn):
     """A text's final answer as a Decimal (18 = 18.0), or None: gsm8k, the number after '#### ' (thousands separators,
-    $ and bold allowed); otherwise the last number."""
+    $ and bold allowed); else the last number."""
     found = re.findall(rf"####[\s*$]*({NUMBER})" if reward_fn == "gsm8k" else NUMBER, text)
     return decimal.Decimal(found[0 if reward_fn == "gsm8k" else -1].replace(",", "")) if found else None
 
 
 def verifier_reward(completion, answer, reward_fn):
     """1.0 if the completion's answer is right, else 0.0: exact_match compares stripped texts, the others parsed
-    answers (the answer may be a whole GSM8K solution)."""
+    answers (the answer may be a GSM8K solution)."""
     if reward_fn == "exact_match":
         return float(completion.strip() == answer.strip())
     got = parse_answer(completion, reward_fn)
     return float(got is not None and got == parse_answer(answer, "gsm8k" if "####" in answer else "last_number"))
 
 
-def group_advantages(rewards, num_tokens, num_generations, args):
+def group_advantages(rewards, num_tokens, group_size, args):
     """A completion's advantage for all its tokens (Sec. 4.1.2 of arXiv:2402.03300), groups of consecutive rows. grpo:
     (r - group mean) / (std + 1e-4), std of the group, the rollout (batch) or none (Dr. GRPO); rloo: r - the others'
     mean (arXiv:2402.14740); both 0 for equal rewards. reinforce_plus_plus: r whitened over the rollout's tokens
-    (arXiv:2501.03262); _baseline: r - group mean, whitened. Also which groups are all equal."""
-    groups = rewards.view(-1, num_generations)
+    (arXiv:2501.03262); _baseline: r - group mean, whitened. Also which groups are equal."""
+    groups = rewards.view(-1, group_size)
     zero_std = groups.max(1).values == groups.min(1).values
     advantages = groups - groups.mean(1, keepdim=True)
     if args.advantage_estimator.startswith("reinforce_plus_plus"):
@@ -228,7 +227,7 @@ def group_advantages(rewards, num_tokens, num_generations, args):
         variance = (w * (x - mean) ** 2).sum() / (w.sum() - 1).clamp(min=1)
         return ((x - mean) * torch.rsqrt(variance + 1e-8)).to(rewards.dtype), zero_std
     if args.advantage_estimator == "rloo":  # G / (G - 1) (r - group mean)
-        advantages = advantages * num_generations / (num_generations - 1)
+        advantages = advantages * group_size / (group_size - 1)
     elif args.scale_rewards == "group":
         advantages = advantages / (groups.std(1, keepdim=True) + 1e-4)
     elif args.scale_rewards == "batch":
@@ -238,7 +237,7 @@ def group_advantages(rewards, num_tokens, num_generations, args):
 
 def rejection_sample(rewards, keep, beta, generator):
     """RSO's Algorithm 1 (arXiv:2309.06657) on each row of `rewards` (a prompt's candidates): pass after pass over those
-    left, in a random order, keep each with probability exp((r - r_max) / beta) until `keep` are; flat indices."""
+    left, in random order, keep each with probability exp((r - r_max) / beta) until `keep` are; flat indices."""
     if not (torch.isfinite(rewards).all() and beta > 0):  # else a pass might keep no candidate, forever
         raise ValueError(f"rejection sampling needs finite rewards and a beta above 0, not {beta}")
     kept = []
@@ -276,8 +275,8 @@ def kl_estimate(logps, ref_logps, old_logps, kl_estimator):
 
 
 def loss_normaliser(completion_mask, args):
-    """What a global mini-batch's loss sum is divided by, counted over all of it (its split cannot change the update):
-    its tokens (Eq. 12 of arXiv:2503.14476), completions (sequence), completions x max length, pairs (online DPO)."""
+    """A global mini-batch's loss divisor, counted over all of it (its split cannot change the update): its tokens
+    (Eq. 12 of arXiv:2503.14476), completions (sequence), completions x max length, pairs (online DPO)."""
     if args.policy_loss == "dpo":
         return completion_mask[:, 0].view(-1, 2).prod(1).sum().clamp(min=1)
     if args.loss_type == "token":
@@ -290,7 +289,7 @@ def loss_normaliser(completion_mask, args):
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, args):
     """Eq. 3 of arXiv:2402.03300 as a loss: per token -min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A) (or
     CISPO's) + beta KL, ratio = pi / pi_old (or GSPO's per completion), summed over `mask` (sequence: each
-    completion's mean), over `normaliser`. Also the ratio and the policy loss."""
+    completion's mean), over `normaliser`; the ratio and the policy loss."""
     log_ratio, A = logps - old_logps, advantages[:, None]
     if args.importance_sampling_level == "sequence":  # GSPO, Eq. 7 of arXiv:2507.18071: one ratio per completion
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
@@ -308,7 +307,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, args):
 
 def online_dpo_loss(logps, ref_logps, mask, normaliser, beta):
     """DPO's -log sigmoid(beta h) (Eq. 7 of arXiv:2305.18290), h = log(pi / pi_ref) of the chosen minus the rejected's,
-    over rows (chosen, rejected), summed over pairs with both in `mask`, over `normaliser`; dpo.py's metrics."""
+    rows (chosen, rejected), summed over pairs with both in `mask`, over `normaliser`; dpo.py's metrics."""
     logps, ref_logps = (logps * mask).sum(1).view(-1, 2), (ref_logps * mask).sum(1).view(-1, 2)
     rewards, in_loss = beta * (logps - ref_logps), mask[:, 0].view(-1, 2).prod(1) / normaliser  # no empty row
     chosen, rejected = rewards.detach().unbind(1)
@@ -319,14 +318,14 @@ def online_dpo_loss(logps, ref_logps, mask, normaliser, beta):
 
 
 def loss_temperature(args):
-    """The sampling one (pi / pi_old), but 1 in online DPO, as in DPO (sampling only picks the pairs)."""
+    """The sampling one (pi / pi_old), but 1 in online DPO, as in DPO (sampling only picks its pairs)."""
     return 1.0 if args.policy_loss == "dpo" else args.temperature
 
 
 @torch.no_grad()
 def rollout_rewards(rollout, reward_model, tokenizer, pad_token_id, args, device):
     """reward_fn_weight x verifier - missing_eos_penalty x (no EOS) + reward_model_weight x the reward model's score
-    (each rank its share), refused if not finite; and which completions ended."""
+    (each rank its share), refused if not finite; which completions ended."""
     texts = tokenizer.batch_decode(rollout["completions"], skip_special_tokens=True)
     rewards = torch.tensor([args.reward_fn_weight * verifier_reward(t, a, args.reward_fn) if args.reward_fn else 0.0
                             for t, a in zip(texts, rollout["answers"])], device=device)
@@ -353,7 +352,7 @@ def evaluate(model, reward_model, test, tokenizer, pad_token_id, args):
 
 @torch.no_grad()
 def score_rollout(model, ref_model, rollout, pad_token_id, args):
-    """The reference and old (num_iterations > 1) log-probs of a rollout's completions: each rank its share."""
+    """The reference and old (num_iterations > 1) log-probs of a rollout: each rank its share."""
     prompts, completions, device = rollout["prompts"], rollout["completions"], next(model.parameters()).device
     n, width = len(prompts), args.max_completion_length
     nets = {"ref": ref_model, "old": model if args.num_iterations > 1 else None}
@@ -389,7 +388,7 @@ def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token
         loss.backward()
         step_loss += loss.detach()
         with torch.no_grad():  # sums over the loss tokens
-            kl = kl_estimate(logps, ref, old, "k3") if ref is not None else 0 * logps  # k3 whatever the loss uses
+            kl = kl_estimate(logps, ref, old, "k3") if ref is not None else 0 * logps  # k3, whatever the loss uses
             token_stats = {"loss/policy_avg": policy_loss, "policy/approxkl_avg": 0.5 * (logps - old) ** 2,
                            "objective/entropy": entropy, "val/ratio": ratio, "val/ratio_squared": ratio**2,
                            "clip_ratio/low": (ratio < 1 - args.epsilon) & (A < 0) & (args.policy_loss == "clip"),
@@ -429,10 +428,10 @@ def rollout_metrics(rollout, rewards, lengths, ended, zero_std, tokenizer):
 
 def main(args):
     # 1. distributed init, computed batch sizes, argument checks
-    rank, world_size, device = setup(args)
+    rank, world_size, device, mesh = setup(args)
     G, dpo = args.num_generations, args.policy_loss == "dpo"
     N = args.num_candidates = G if args.num_candidates is None else args.num_candidates
-    K = 2 if dpo else G  # a prompt's rows in the loss: online DPO's pair
+    K = 2 if dpo else G  # a prompt's rows in the loss (online DPO: a pair)
     args.rollout_batch_size = args.batch_size * args.num_mini_batches
     args.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     if dpo and (args.beta == 0 or args.per_device_train_batch_size % 2):
@@ -452,14 +451,15 @@ def main(args):
 
     # 2. data: every rank tokenises all prompts, so each knows the whole rollout
     tokenizer, pad_token_id, train, test, dropped = load_data(args, tokenize_prompts)
-    num_rollouts, steps_per_rollout = rollouts_of(len(train["prompt"]), K, args.num_iterations, args, dropped)
+    num_rollouts, steps_per_rollout = rollouts_of(len(train["prompt"]), args.rollout_batch_size // K, f" x {N}",
+                                                  "--num_iterations", args, dropped)
 
     # 3. models + FSDP2: the policy, then the frozen reference (the SFT model) and reward model
     path, flag = args.model_name_or_path, "--model_name_or_path"
-    model = load_model(AutoModelForCausalLM, path, args, flag, device)
+    model = load_model(AutoModelForCausalLM, path, args, flag, mesh)
     # beta 0: no KL term, no reference model
-    ref_model = load_model(AutoModelForCausalLM, path, args, flag, device, frozen=True) if args.beta > 0 else None
-    reward_model = load_reward_model(args, tokenizer, device) if args.reward_model_path else None
+    ref_model = load_model(AutoModelForCausalLM, path, args, flag, mesh, frozen=True) if args.beta > 0 else None
+    reward_model = load_reward_model(args, tokenizer, mesh) if args.reward_model_path else None
 
     # 4. optimizer and LR schedule (or both restored by --resume_from)
     optimizer, scheduler, start_step, state = make_optimizer(model, args)
@@ -470,7 +470,7 @@ def main(args):
     logged, window_start = start_step, time.time()
     for rollout_index in range(start_step // steps_per_rollout, num_rollouts):
         rollout_start = time.time()
-        # ALGO LOGIC: 1. the rollout's prompts, each N times, consecutive rows
+        # ALGO LOGIC: 1. the rollout's prompts, each N times in a row
         rows = [row for row in global_batch(rollout_index, len(train["prompt"]), args.rollout_batch_size // K,
                                             args.seed) for _ in range(N)]
         rollout = {"prompts": [train["prompt"][row] for row in rows], "answers": [train["answer"][row] for row in rows]}
@@ -479,7 +479,7 @@ def main(args):
         rollout["completions"], lengths = sample_rollout(model, rollout["prompts"], rollout_index, args,
                                                          tokenizer.eos_token_id, pad_token_id)
 
-        # 3. the rewards; rejection sampling keeps G of N > G candidates; online DPO their best and worst
+        # 3. the rewards; rejection sampling keeps G of N > G candidates, online DPO their best and worst
         rewards, ended = rollout_rewards(rollout, reward_model, tokenizer, pad_token_id, args, device)
         candidate_scores = {"objective/candidate_scores": rewards.mean()} if N > G else {}
         kept = list(range(len(rewards)))
@@ -505,13 +505,13 @@ def main(args):
         # 5. num_iterations passes over the rollout, each in num_mini_batches optimizer steps
         for k, mini in enumerate(rollout_mini_batches(rollout_index, args.num_iterations, args, K if dpo else 1)):
             update_start = time.time()
-            normaliser = loss_normaliser(rollout["loss_mask"][mini], args)  # a count over the global mini-batch
+            normaliser = loss_normaliser(rollout["loss_mask"][mini], args)  # counted over the global mini-batch
             step_loss = accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token_id)
             step = rollout_index * steps_per_rollout + k + 1
             lr, grad_norm, stop = optimizer_step(model, optimizer, scheduler, step_loss, step, args)
             progress.update(1)
             stats["time/update"] = time.time() - update_start
-            for name, value in stats.items():  # the same on every rank: each adds its share of the sum
+            for name, value in stats.items():  # the same on every rank: each adds its share
                 sums[name] += value / world_size
 
             if is_due(step, args.log_every, args) or is_due(step, args.eval_every, args):
@@ -532,7 +532,7 @@ def main(args):
 # ---------------------------------------------------------------------------------------------------------------------
 # Infrastructure: identical in every script that has it (tests/test_consistency.py). Skip it on a first read.
 def setup(args):
-    """Distributed init (one process under plain `python`), the guards, batch sizes, seed."""
+    """Distributed init (one process under plain `python`), guards, batch sizes, seed, the models' mesh."""
     gpu, alone = torch.cuda.is_available(), {"store": dist.HashStore(), "rank": 0, "world_size": 1}
     dist.init_process_group("nccl" if gpu else "gloo", **({} if "RANK" in os.environ else alone))
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -546,12 +546,15 @@ def setup(args):
     args.world_size = world_size
     args.batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
     torch.manual_seed(args.seed + rank)  # dropout (sft.py leaves it on)
-    return rank, world_size, device
+    shards = world_size if args.shard_degree == -1 else args.shard_degree  # one replica: FSDP, 1-D; else HSDP
+    dims = {"replicate": world_size // shards, "shard": shards} if shards < world_size else {"shard": shards}
+    mesh = dist.init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    return rank, world_size, device, mesh
 
 
 def load_data(args, tokenize):
-    """The tokenizer, its pad id (EOS if none: masks come from lengths), the splits tokenised, whole on every
-    rank, and the rows dropped."""
+    """The tokenizer, its pad id (EOS if none: masks come from lengths), the splits tokenised on every rank, the rows
+    dropped."""
     tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
     check_tokenizer(tokenizer, args)
     pad_token_id, splits = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id, {}
@@ -575,7 +578,7 @@ DATA_EXTENSIONS = tuple(kind + packing for kind in (".json", ".jsonl", ".parquet
 
 
 def load_split(name, split):
-    """A split of a hub dataset, folder or file (its train split), or None; in a folder, a split may be a file."""
+    """A split of a hub dataset, folder or file (its train split), or None; in a folder a split may be a file."""
     check_local_path(name, "--dataset_name")
     if os.path.isfile(name):
         return load_file(name) if split == "train" else None
@@ -615,8 +618,8 @@ def load_file(path):
 
 
 def tokenize_prompts(dataset, tokenizer, args):
-    """Prompts (strings, or messages with the generation prompt) and the verifier's answers; empty and over-long
-    prompts dropped and counted."""
+    """Prompts (strings, or messages with the generation prompt), the verifier's answers; empty and over-long prompts
+    dropped, counted."""
     prompts, answers = args.prompt_column, getattr(args, "reward_fn", None) and args.answer_column
     if prompts not in dataset.column_names or (answers and answers not in dataset.column_names):
         needs = f"a {prompts!r} column" + (f" and an {answers!r} column" if answers else "")
@@ -626,7 +629,7 @@ def tokenize_prompts(dataset, tokenizer, args):
     for prompt, answer in zip(dataset[prompts], dataset[answers] if answers else [None] * len(dataset)):
         if isinstance(prompt, str):
             ids = tokenizer(prompt)["input_ids"]
-        else:  # the template writes the special tokens itself
+        else:  # the template writes the special tokens
             text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True) if prompt else ""
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         reason = "empty prompt" if not ids else "prompt too long" if len(ids) > args.max_prompt_length else None
@@ -638,13 +641,13 @@ def tokenize_prompts(dataset, tokenizer, args):
     return data, dropped
 
 
-def rollouts_of(num_prompts, generations, passes, args, dropped):
-    """Set num_training_steps: rollouts of `passes` x num_mini_batches steps."""
-    steps_per_rollout = passes * args.num_mini_batches
+def rollouts_of(num_prompts, prompts_per_rollout, samples, passes_flag, args, dropped):
+    """Set num_training_steps: rollouts of passes (`passes_flag`) x num_mini_batches steps."""
+    steps_per_rollout = getattr(args, passes_flag[2:]) * args.num_mini_batches
     for flag, value in (("--max_steps", args.max_steps), ("--save_every", args.save_every)):
         if value > 0 and value % steps_per_rollout:
-            raise ScriptError(f"{flag} {value}: must be a multiple of a rollout's {steps_per_rollout} optimizer steps")
-    prompts_per_rollout = args.rollout_batch_size // generations
+            raise ScriptError(f"{flag} {value}: must be a multiple of a rollout's {steps_per_rollout} optimizer steps "
+                              f"({passes_flag} x --num_mini_batches)")
     if num_prompts < prompts_per_rollout:
         raise ScriptError(f"{num_prompts} training prompts (dropped: {dropped}) cannot fill a rollout of "
                           f"{prompts_per_rollout}: lower the batch sizes")
@@ -652,13 +655,13 @@ def rollouts_of(num_prompts, generations, passes, args, dropped):
     num_rollouts = args.max_steps // steps_per_rollout if args.max_steps > 0 else epochs
     args.num_training_steps = num_rollouts * steps_per_rollout
     if dist.get_rank() == 0:
-        print(f"{num_rollouts} rollouts of {prompts_per_rollout} prompts x {generations}, each {steps_per_rollout} "
-              f"steps of {args.batch_size}")
+        print(f"{num_rollouts} rollouts of {prompts_per_rollout} prompts{samples}, each {steps_per_rollout} steps of "
+              f"{args.batch_size}")
     return num_rollouts, steps_per_rollout
 
 
 def global_batch(step, num_rows, batch_size, seed):
-    """Rows of global batch `step`: a function of the step alone, the same on every rank and on resume."""
+    """Rows of global batch `step`: a function of the step alone, on every rank and on resume."""
     epoch, position = divmod(step, num_rows // batch_size)
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     return order[position * batch_size : (position + 1) * batch_size].tolist()
@@ -673,8 +676,8 @@ def micro_batches(batch, args):
 
 
 def rank_micro_batches(num_rows, size):
-    """This rank's share of the rows in as many micro-batches on every rank (FSDP forwards are
-    collectives): a rank out of rows gets row 0, valid False."""
+    """This rank's share of the rows, in as many micro-batches on every rank (FSDP forwards are collectives): a rank
+    out of rows gets row 0, valid False."""
     share = list(range(dist.get_rank(), num_rows, dist.get_world_size()))
     for start in range(0, math.ceil(num_rows / dist.get_world_size()), size):
         rows = share[start : start + size]
@@ -688,8 +691,8 @@ def pad(sequences, value, side):
 
 
 def make_batch(prompts, completions, pad_token_id):
-    """[left-padded prompts | right-padded completions], masks from the lengths, never from pad_token_id (EOS stays
-    in the loss when pad == eos)."""
+    """[left-padded prompts | right-padded completions], masks from the lengths, never pad_token_id (EOS stays in the
+    loss when pad == eos)."""
     input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
     completion_mask = pad([[1] * len(c) for c in completions], 0, "right")
     return input_ids, torch.cat([pad([[1] * len(p) for p in prompts], 0, "left"), completion_mask], 1), completion_mask
@@ -702,8 +705,8 @@ def batch_on(device, prompts, completions, rows, pad_token_id):
 
 
 def load_pretrained(auto_class, path, args, flag, **options):
-    """auto_class.from_pretrained(path), refused naming `flag`. A model (fp32), with its load report, is read by
-    the first process alone; the others build it on the meta device."""
+    """auto_class.from_pretrained(path), refused naming `flag`. A model (fp32, with its load report) is read by the
+    first process alone, built on the meta device by the others."""
     check_local_path(path, flag, auto_class)
     if auto_class is AutoTokenizer:
         try:
@@ -740,53 +743,50 @@ def disable_dropout(model):
     return model
 
 
-def shard_model(model, args, device):
-    """FSDP2 (HSDP over a 2-D mesh): gradients summed (each loss is a global mean already); the first process's
-    weights broadcast, a tensor at a time, each process keeping its shard."""
+def shard_model(model, args, mesh):
+    """FSDP2 over `mesh` (HSDP if 2-D), gradients summed (each loss is a global mean); the first process's weights
+    broadcast a tensor at a time, each process keeping its shard."""
     loaded = model.state_dict() if dist.get_rank() == 0 else {}  # the first process's, read from disk
-    if args.gradient_checkpointing:  # it acts in training mode only: not on frozen models
+    if args.gradient_checkpointing:  # in training mode only: not on frozen models
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if args.bf16 and device.type == "cuda" else {}
-    shards = dist.get_world_size() if args.shard_degree == -1 else args.shard_degree  # HSDP: replicas x shards
-    mesh = dist.init_device_mesh(device.type, (dist.get_world_size() // shards, shards),
-                                 mesh_dim_names=("replicate", "shard"))
+    gpu = mesh.device_type == "cuda"
+    bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if args.bf16 and gpu else {}
     policies = {"mesh": mesh,
                 "mp_policy": MixedPrecisionPolicy(**bf16),
                 "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()}
     layers = [module for module in model.modules() if type(module).__name__ in (model._no_split_modules or [])]
-    for module in layers + [model]:  # each decoder layer, then the root (None: the root keeps its gathered weights)
+    for module in layers + [model]:  # each decoder layer, then the root (None: the root keeps its weights gathered)
         fully_shard(module, reshard_after_forward=None if args.reshard_after_forward else False, **policies)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
-    if dist.get_rank() > 0:  # built on the meta device: room for its shards, filled below
-        model.to_empty(device="cpu" if args.cpu_offload else device)
+    if dist.get_rank() > 0:  # built on the meta device: room for its shards
+        model.to_empty(device="cpu" if args.cpu_offload else mesh.device_type)
     set_model_state_dict(model, loaded, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for buffer in model.buffers():  # not all are in a state dict (rotary inv_freq)
         dist.broadcast(buffer, src=0)
     return model
 
 
-def load_model(auto_class, path, args, flag, device, frozen=False):
+def load_model(auto_class, path, args, flag, mesh, frozen=False):
     """A model sharded, dropout off; frozen (a reference or reward model): no gradients."""
     model, report = load_pretrained(auto_class, path, args, flag)
     check_weights(model, report, path, flag)
     model = disable_dropout(model)
-    return shard_model(model.requires_grad_(False).eval() if frozen else model, args, device)
+    return shard_model(model.requires_grad_(False).eval() if frozen else model, args, mesh)
 
 
-def load_reward_model(args, tokenizer, device):
-    """The frozen reward model; its tokenizer must be the policy's (it reads the policy's ids)."""
+def load_reward_model(args, tokenizer, mesh):
+    """The frozen reward model, whose tokenizer must be the policy's (it reads its ids)."""
     path, flag = args.reward_model_path, "--reward_model_path"
     if load_pretrained(AutoTokenizer, path, args, flag).get_vocab() != tokenizer.get_vocab():
         raise ScriptError(f"{flag} {path}: its tokenizer is not the policy's")
-    return load_model(AutoModelForSequenceClassification, path, args, flag, device, frozen=True)
+    return load_model(AutoModelForSequenceClassification, path, args, flag, mesh, frozen=True)
 
 
 def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
-    """Log-probs (and entropies) of the last `completion_width` tokens from logits / temperature, by HeadLogprobs,
-    HEAD_ROWS rows at a time."""
+    """Log-probs (and entropies) of the last `completion_width` tokens from logits / T, by HeadLogprobs."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
-    hidden = []  # the decoder's output (output_hidden_states returns views, which FSDP2 warns of)
+    hidden = []  # the decoder's output (output_hidden_states gives views, which FSDP2 warns of)
     hook = model.get_decoder().register_forward_hook(lambda module, inputs, output: hidden.append(output[0]))
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                    logits_to_keep=1).logits
@@ -794,10 +794,9 @@ def completion_logprobs(model, input_ids, attention_mask, completion_width, temp
     head = model.get_output_embeddings()
     check_linear_head(model, head, hidden[0][:, -1], logits[:, -1])
     labels, hidden = input_ids[:, -completion_width:], hidden[0][:, -completion_width - 1 : -1].flatten(0, 1)
-    params = [p / temperature for p in (head.weight, head.bias) if p is not None]  # a head for logits / T
-    chunks = [HeadLogprobs.apply(h, y, with_entropy, *params)  # the state at t predicts token t + 1
-              for h, y in zip(hidden.split(HEAD_ROWS), labels.flatten().split(HEAD_ROWS))]
-    logprobs, entropy = (torch.cat(parts).view(labels.shape) for parts in zip(*chunks))
+    bias = None if head.bias is None else head.bias / temperature  # logits / T: states and bias / T, not the head
+    outputs = HeadLogprobs.apply(hidden / temperature, labels.flatten(), with_entropy, head.weight, bias)
+    logprobs, entropy = (output.view(labels.shape) for output in outputs)  # the state at t predicts token t + 1
     return (logprobs, entropy) if with_entropy else logprobs
 
 
@@ -805,14 +804,17 @@ HEAD_ROWS = 1024  # 0.9 GiB of logits for a vocabulary of 151,936
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """log_softmax(head(hidden)) at `labels` (and entropies, no gradient). The backward recomputes the softmax and
-    makes it the logits' gradient in place: autograd would keep and make (rows, vocabulary) tensors."""
+    """log_softmax(head(hidden)) at `labels` (and entropies, no gradient), HEAD_ROWS rows at a time; the backward
+    recomputes a chunk's softmax as its logits' gradient in place (autograd keeps (rows, vocab) tensors), the head's
+    gradient summed in fp32."""
 
     @staticmethod
     def forward(ctx, hidden, labels, with_entropy, weight, bias=None):
-        log_p = F.linear(hidden, weight, bias).log_softmax(-1, dtype=torch.float32)  # one kernel
-        logprobs = log_p.gather(1, labels[:, None])[:, 0]
-        entropy = -(log_p.exp() * log_p).sum(-1) if with_entropy else torch.zeros_like(logprobs)
+        logprobs, entropy = torch.zeros(2, len(labels), device=hidden.device)
+        for rows in torch.arange(len(labels), device=hidden.device).split(HEAD_ROWS):
+            log_p = F.linear(hidden[rows], weight, bias).log_softmax(-1, dtype=torch.float32)  # one kernel
+            logprobs[rows] = log_p.gather(1, labels[rows, None])[:, 0]
+            entropy[rows] = -(log_p.exp() * log_p).sum(-1) if with_entropy else 0
         ctx.save_for_backward(hidden, labels, logprobs, weight, bias)
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -820,15 +822,20 @@ class HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _):
         hidden, labels, logprobs, weight, bias = ctx.saved_tensors
-        probs = F.linear(hidden, weight, bias).softmax(-1)  # in the weights' dtype
-        probs[torch.arange(len(labels)), labels] = (logprobs.exp() - 1).to(probs.dtype)  # softmax - one-hot
-        grad = -grad[:, None]  # the logits' gradient: grad x (one-hot - softmax)
-        grads = probs @ weight * grad, None, None, probs.T @ (hidden * grad).to(probs.dtype)
-        return *grads, None if bias is None else probs.T @ grad[:, 0].to(probs.dtype)
+        grad, grad_hidden = -grad[:, None], torch.empty_like(hidden)  # logits' gradient: grad x (one-hot - softmax)
+        sums = [None if p is None else torch.zeros_like(p, dtype=torch.float32) for p in (weight, bias)]
+        for rows in torch.arange(len(labels), device=hidden.device).split(HEAD_ROWS):
+            probs = F.linear(hidden[rows], weight, bias).softmax(-1)  # in the weights' dtype
+            probs.scatter_(1, labels[rows, None], (logprobs[rows, None].exp() - 1).to(probs.dtype))  # - one-hot
+            grad_hidden[rows] = (probs @ weight * grad[rows]).to(hidden.dtype)
+            sums[0] += probs.T @ (hidden[rows] * grad[rows]).to(probs.dtype)
+            if bias is not None:
+                sums[1] += probs.T @ grad[rows, 0].to(probs.dtype)
+        return grad_hidden, None, None, *sums
 
 
 def last_token_index(attention_mask):
-    """Each row's last real token, from the mask (pad may equal EOS)."""
+    """Each row's last real token, from the mask (pad may be EOS)."""
     return (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(1)
 
 
@@ -849,7 +856,7 @@ def sequence_scores(model, input_ids, attention_mask):
 
 
 def make_optimizer(model, args):
-    """AdamW or TF-style Adam, the LR schedule, and the state --resume_from restores."""
+    """AdamW or TF-style Adam, the LR schedule, and what --resume_from restores."""
     if args.optimizer == "adam_tf":
         optimizer = AdamTF(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
     else:
@@ -863,7 +870,7 @@ def make_optimizer(model, args):
 
 
 def open_metrics(args, start_step):
-    """wandb, metrics.jsonl (kept up to a resumed step), a progress bar at a terminal only."""
+    """wandb, metrics.jsonl (kept up to a resumed step), a progress bar at a terminal."""
     path, rank = os.path.join(args.output_dir, "metrics.jsonl"), dist.get_rank()
     if rank == 0:
         if args.track:
@@ -880,7 +887,7 @@ def open_metrics(args, start_step):
 
 @contextlib.contextmanager
 def unsharded(model, keep=False):
-    """Parameters gathered once and FSDP2's hooks set aside: generation's forwards are no collectives."""
+    """Parameters gathered once, FSDP2's hooks set aside: generating is no collective."""
     fsdp_modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
     hooks = [(module._forward_pre_hooks, module._forward_hooks) for module in fsdp_modules]
     for module in fsdp_modules:
@@ -891,7 +898,7 @@ def unsharded(model, keep=False):
     finally:
         for module, (pre_hooks, post_hooks) in zip(fsdp_modules, hooks):
             module._forward_pre_hooks, module._forward_hooks = pre_hooks, post_hooks
-            if not keep:  # --no-reshard_after_forward: still gathered for the next forward
+            if not keep:  # --no-reshard_after_forward: gathered for the next forward
                 module.reshard()
 
 
@@ -904,14 +911,14 @@ def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_
         extra = -input_ids.shape[1] % 64
         input_ids = F.pad(input_ids, (extra, 0), value=pad_token_id)
         attention_mask = F.pad(attention_mask, (extra, 0), value=0)
-    # the log-probs' distribution: no top_k or top_p (not the folder's generation_config, nor HF's top_k 50)
+    # the log-probs' distribution: no top_k or top_p (neither the folder's generation_config nor HF's top_k 50)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
     config = GenerationConfig(**(sampling or {"do_sample": False}), max_new_tokens=max_new_tokens,
                               eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                               cache_implementation=None if cache == "dynamic" else cache)
     folder_config, model.generation_config, was_training = model.generation_config, GenerationConfig(), model.training
-    model.eval()  # in training mode, gradient checkpointing turns the KV cache off
-    try:  # unsharded: ranks need not keep step
+    model.eval()  # in training mode gradient checkpointing turns the KV cache off
+    try:  # unsharded: the ranks need not keep step
         output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                 generation_config=config, synced_gpus=False)
     finally:
@@ -921,32 +928,31 @@ def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_
     return [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
 
 
-def sample_rollout(model, prompts, rollout, args, eos_token_id, pad_token_id):
-    """Completions in chunks round-robin over the ranks, each seeded by (seed, rollout, chunk): the same on any
-    number of processes, and on resume. Rollout None: greedy, in evaluation's chunks."""
-    device, rank, greedy = next(model.parameters()).device, dist.get_rank(), rollout is None
+def sample_rollout(model, prompts, rollout_index, args, eos_token_id, pad_token_id):
+    """Completions in chunks round-robin over the ranks, each seeded by (seed, rollout, chunk): the same on any number
+    of processes and on resume. Rollout None: greedy, evaluation's chunks."""
+    device, rank, greedy = next(model.parameters()).device, dist.get_rank(), rollout_index is None
     n, width = len(prompts), args.max_completion_length
     chunk_size = args.per_device_eval_batch_size if greedy else args.local_rollout_forward_batch_size
     completion_ids = torch.full((n, width), -1, device=device)  # -1: no token
     with unsharded(model, keep=not args.reshard_after_forward):
         for chunk, start in enumerate(range(0, n, chunk_size)):
             if chunk % args.world_size == rank:
-                torch.manual_seed((args.seed * 100_003 + (rollout or 0)) * 100_003 + chunk)
+                torch.manual_seed((args.seed * 100_003 + (rollout_index or 0)) * 100_003 + chunk)
                 completions = generate_completions(model, prompts[start : start + chunk_size], width,
                                                    None if greedy else args.temperature, eos_token_id, pad_token_id,
                                                    args.cache_implementation)
                 for i, completion in enumerate(completions, start):
                     completion_ids[i, : len(completion)] = torch.tensor(completion)
-    dist.all_reduce(completion_ids, op=dist.ReduceOp.MAX)  # each row is filled by one rank only
+    dist.all_reduce(completion_ids, op=dist.ReduceOp.MAX)  # each row filled by one rank
     lengths = (completion_ids >= 0).sum(1)
     return [row[:length] for row, length in zip(completion_ids.tolist(), lengths.tolist())], lengths
 
 
-def rollout_mini_batches(rollout, passes, args, group=1):
-    """`passes` passes over a rollout, each in a fresh order of its groups of consecutive rows, cut into
-    num_mini_batches."""
+def rollout_mini_batches(rollout_index, passes, args, group=1):
+    """`passes` passes over a rollout, each a fresh order of its groups of rows, in num_mini_batches."""
     for iteration in range(passes):
-        seed = (args.seed * 100_003 + rollout) * 100_003 + iteration
+        seed = (args.seed * 100_003 + rollout_index) * 100_003 + iteration
         order = torch.randperm(args.rollout_batch_size // group, generator=torch.Generator().manual_seed(seed))
         order = (order[:, None] * group + torch.arange(group)).flatten().tolist()
         for k in range(args.num_mini_batches):
@@ -954,7 +960,7 @@ def rollout_mini_batches(rollout, passes, args, group=1):
 
 
 def optimizer_step(model, optimizer, scheduler, loss, step, args):
-    """Clip the gradient norm, update unless guard_step stops the run, step the LR schedule once."""
+    """Clip the gradient norm, update unless guard_step stops the run, step the schedule once."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf).full_tensor()
     stop = guard_step(loss, grad_norm, step, args)
     optimizer.step()
@@ -965,7 +971,7 @@ def optimizer_step(model, optimizer, scheduler, loss, step, args):
 
 
 def is_due(step, every, args):
-    """Whether to log or evaluate after `step`: every `every` steps (-1: never), and the last."""
+    """Whether to log or evaluate after `step`: every `every` steps (-1: never) and the last."""
     return step == args.num_training_steps or (every > 0 and step % every == 0)
 
 
@@ -978,7 +984,7 @@ def reduce_sums(sums):
 
 
 def log_metrics(metrics, path, args, progress, samples=None):
-    """Rank 0 prints the metrics (and samples), logs them to metrics.jsonl and wandb."""
+    """Rank 0 prints the metrics (and samples), writes them to metrics.jsonl and wandb."""
     if dist.get_rank() != 0:
         return
     progress.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
@@ -995,11 +1001,11 @@ def log_metrics(metrics, path, args, progress, samples=None):
 
 
 def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
-    """checkpoints/step_N: the arguments, each rank's scheduler, RNG and loop state, then model and optimizer
-    (DCP, sharded: its .metadata, written last, marks the checkpoint complete). Then, if `stop` (a signal), the exit."""
+    """checkpoints/step_N: the arguments, each rank's scheduler, RNG and loop state, then model and optimizer (DCP,
+    sharded: its .metadata, written last, marks it complete). If `stop` (a signal), the exit."""
     rank, path = dist.get_rank(), os.path.join(args.output_dir, "checkpoints", f"step_{step}")
     if rank == 0:
-        shutil.rmtree(path, ignore_errors=True)  # left by a crash, or a restarted run's old step
+        shutil.rmtree(path, ignore_errors=True)  # a crash's, or a restarted run's old step
         os.makedirs(path)
         with open(f"{path}/checkpoint.json", "w") as f:
             json.dump({"step": step, "args": vars(args)}, f, indent=1)
@@ -1008,7 +1014,7 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
     torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state}, f"{path}/rank{rank}.pt")
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)
-    signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # a signal may have reached another rank only
+    signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # the signal may have reached another rank only
     if stop and rank == 0:
         print(f"stopped by {signal.Signals(signum).name}: checkpoint {path}; --resume_from auto continues")
     dist.barrier()
@@ -1025,7 +1031,7 @@ def complete_checkpoints(output_dir):
 
 
 def is_complete(path):
-    """A checkpoint folder with its arguments and DCP's .metadata."""
+    """A checkpoint folder with its arguments and .metadata."""
     return os.path.exists(f"{path}/checkpoint.json") and os.path.exists(f"{path}/.metadata")
 
 
@@ -1034,14 +1040,14 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
     manifest = check_checkpoint(path, args)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state["state"]}
-    dcp.load(state, storage_reader=CheckpointReader(path))
+    dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict={"state": state["optimizer"], "param_groups": optimizer_state["param_groups"]})
-    same = manifest["args"]["world_size"] == args.world_size  # else the per-rank random streams restart
+    same = manifest["args"]["world_size"] == args.world_size  # else per-rank random streams restart
     extra = torch.load(f"{path}/rank{dist.get_rank() if same else 0}.pt", weights_only=True)
     scheduler.load_state_dict(extra["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-        group["lr"] = lr  # the next step's (param_groups are not in the checkpoint)
+        group["lr"] = lr  # the next step's (not in the checkpoint)
     if same:
         torch.set_rng_state(extra["rng"]["torch"])
         if "cuda" in extra["rng"]:
@@ -1052,10 +1058,10 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
 
 
 def finish(model, tokenizer, args, device):
-    """The full weights gathered (a collective) into a Hugging Face folder by rank 0; the peak memory printed;
-    wandb and the process group closed."""
+    """The full weights gathered (a collective) into a Hugging Face folder by rank 0, the peak memory printed, wandb
+    and the process group closed."""
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    kept = dict(model.named_parameters()) | dict(model.named_buffers())  # a tied head comes back as a copy: not it
+    kept = dict(model.named_parameters()) | dict(model.named_buffers())  # not a tied head's copy
     state_dict = {name: tensor for name, tensor in state_dict.items() if name in kept}
     if dist.get_rank() == 0:
         model.save_pretrained(args.output_dir, state_dict=state_dict)
@@ -1070,33 +1076,34 @@ def finish(model, tokenizer, args, device):
             import wandb
 
             wandb.finish()
-    dist.barrier()  # no rank tears the group down while another still communicates
+    dist.barrier()  # no rank tears the group down while another communicates
     dist.destroy_process_group()
 
 
 # Guards: what only refuses bad input or protects a run, each reached by one call from the plumbing or main.
 class ScriptError(ValueError):
-    """An error raised on purpose: its message names the problem, where, and the fix."""
+    """An error on purpose: its message names the problem, where, and the fix."""
 
 
 def guard_run(args, auto):
-    """Errors as one line, signals as a checkpoint, bars and logs at a terminal only, numbers their type in Args
-    rules out refused (a batch size of 0, NaN), output_dir claimed."""
+    """Errors as one line, signals as a checkpoint, bars and logs at a terminal only, numbers their type rules out
+    refused (a batch size of 0, NaN), output_dir claimed."""
     sys.excepthook = report_error
     signal.signal(signal.SIGTERM, request_stop)  # preemption: torchrun forwards it to every process
     signal.signal(signal.SIGINT, request_stop)
     logging.getLogger("transformers.modeling_utils").addFilter(lambda record: "LOAD REPORT" not in str(record.msg))
-    if dist.get_rank() > 0 or not sys.stderr.isatty():  # a log file: the metric lines and refusals alone
+    if dist.get_rank() > 0 or not sys.stderr.isatty():  # a log file: metric lines and refusals alone
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
         logging.getLogger("datasets").setLevel(logging.CRITICAL)  # its errors: named by ours
         logging.getLogger("transformers").setLevel(logging.ERROR)
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # retries: our one line says why
     for field in fields(args):
         value, types = getattr(args, field.name), (field.type, *get_args(field.type))  # Optional[X]: X too
         for allowed, check in [rule for t in types for rule in getattr(t, "__metadata__", ()) if type(rule) is tuple]:
             if value is not None and not check(value):
                 raise ScriptError(f"--{field.name} {value}: {'not a number' if value != value else 'must be'} "
-                                  f"{allowed}")
+                                  f"{allowed.format(dist.get_world_size())}")
     claim_output_dir(args, auto)
 
 
@@ -1133,8 +1140,7 @@ def claim_output_dir(args, auto):
 
 
 def output_dir_verdict(args, auto, token):
-    """The first process's refusal or None: a flock held for the run's life; another run's folder refused unless
-    continued."""
+    """The first process's refusal or None: a flock held for the run's life; another run's folder unless continued."""
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         lock = open(os.path.join(args.output_dir, ".lock"), "a+")
@@ -1149,7 +1155,7 @@ def output_dir_verdict(args, auto, token):
     OUTPUT_DIR_LOCK[:] = [lock]
     found = [name for name in RUN_FILES if os.path.exists(os.path.join(args.output_dir, name))]
     finished = any(name.startswith("model.") for name in found)
-    if not found or args.resume_from or (auto and not finished):  # auto restarts a run stopped before a checkpoint
+    if not found or args.resume_from or (auto and not finished):  # auto: restarts a run stopped before a checkpoint
         return None
     auto = "--resume_from auto continues it, " if not finished or complete_checkpoints(args.output_dir) else ""
     return f"--output_dir {args.output_dir} holds another run ({', '.join(found)}): {auto}or remove it, or choose " \
@@ -1167,8 +1173,8 @@ def request_stop(signum, frame):
 
 
 def guard_step(loss, grad_norm, step, args):
-    """One all-reduce: a non-finite loss or norm anywhere, or a first step giving no gradient at all, stops the
-    run before the update; a signal anywhere stops it after."""
+    """One all-reduce: a non-finite loss or norm anywhere, or a first step with no gradient at all, stops the run
+    before the update; a signal anywhere, after it."""
     no_gradient = (grad_norm == 0) & (loss != 0) & (step == 1)
     flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(grad_norm), no_gradient,
                          torch.tensor(bool(STOP_SIGNALS), device=grad_norm.device)]).float()
@@ -1204,7 +1210,7 @@ def loading_error(auto_class, path, flag, error):
 
 
 def check_weights(model, info, path, flag):
-    """No weight missing (HF would make it up) or left over (a reward model's head given as a causal LM)."""
+    """No weight missing (HF would make it up) or left over (a reward model given as a causal LM)."""
     problems = [f"no weights for {sorted(info['missing_keys'])}"] if info["missing_keys"] else []
     problems += [f"weights {sorted(info['unexpected_keys'])} it does not use"] if info["unexpected_keys"] else []
     if problems:
@@ -1213,8 +1219,8 @@ def check_weights(model, info, path, flag):
 
 
 def check_tokenizer(tokenizer, args):
-    """An EOS (and a pad, if any) from the tokenizer's own files, not one HF made up."""
-    listed = tokenizer.init_kwargs.get("added_tokens_decoder")  # the added tokens its files define
+    """An EOS (and a pad, if any) from the tokenizer's files, not made up by HF."""
+    listed = tokenizer.init_kwargs.get("added_tokens_decoder")  # the added tokens of its files
     for name in ("eos", "pad"):
         token = getattr(tokenizer, f"{name}_token_id")
         made_up = listed and token and token >= tokenizer.vocab_size and token not in listed
@@ -1227,7 +1233,7 @@ DATASETS_METADATA = {"dataset_infos.json", "dataset_info.json", "state.json", "d
 
 
 def check_split_files(folder, splits):
-    """Every data file of a folder in a split (datasets skips files with no split word once one has)."""
+    """Every data file of a folder in a split (datasets skips files without a split word once one has it)."""
     used = {os.path.realpath(f) for files in splits.values() for f in files}
     skipped = [os.path.relpath(f, folder) for f in glob.glob(f"{folder}/**/*", recursive=True)  # hidden ones aside
                if f.endswith(DATA_EXTENSIONS) and os.path.basename(f) not in DATASETS_METADATA
@@ -1239,7 +1245,7 @@ def check_split_files(folder, splits):
 
 
 def data_file_problem(path, column=None):
-    """Why a JSON or JSONL file does not load, or the first row whose `column` is not text, by line; or None."""
+    """Why a JSON(L) file does not load, or the first row whose `column` is not text, by line; or None."""
     raw = open(path, "rb").read()
     try:
         text = raw.decode("utf-8")
@@ -1250,7 +1256,7 @@ def data_file_problem(path, column=None):
         return f"dataset file {path!r} is empty"
     for number, line in enumerate(text.splitlines(), 1):
         try:
-            row = json.loads(line.strip() or "null")  # a blank line is no row, and no error
+            row = json.loads(line.strip() or "null")  # a blank line: no row, no error
         except json.JSONDecodeError as e:
             return f"dataset file {path!r} line {number} is not valid JSON ({e.msg}, column {e.colno}): {line[:80]!r}"
         if column and isinstance(row, dict) and not isinstance(row.get(column, ""), str):
@@ -1262,8 +1268,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def check_columns(dataset, args, split, tokenizer):
-    """Text, not numbers ("0457" read as 457); messages with a role and text; no text spelling a special
-    token (it would become one: a fake turn, an early EOS)."""
+    """Text, not numbers ("0457" read as 457); messages with a role and text; no text spelling a special token (it
+    would become one: a fake turn, an early EOS)."""
     specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special})
     names = ["prompt", "completion", "chosen", "rejected", "messages", getattr(args, "prompt_column", "prompt"),
              getattr(args, "answer_column", "answer")]
@@ -1274,7 +1280,7 @@ def check_columns(dataset, args, split, tokenizer):
             raise ScriptError(file and data_file_problem(file, column) or f"{where}: text mixed with other values")
         try:
             values = list(dataset[column])
-        except UnicodeDecodeError as e:  # pyarrow keeps the bytes unchecked: they fail when read as text
+        except UnicodeDecodeError as e:  # pyarrow keeps bytes unchecked: they fail when read as text
             raise ScriptError(file and data_file_problem(file) or f"{where}: not UTF-8 text ({e.reason})") from e
         for row, value in enumerate(values):
             problem = value_problem(value, specials, ".csv" in file)
@@ -1283,7 +1289,7 @@ def check_columns(dataset, args, split, tokenizer):
 
 
 def value_problem(value, specials, csv):
-    """What is wrong with a value of a text column (a string, or messages), or None."""
+    """What is wrong with a text column's value (a string, or messages), or None."""
     if value is None:
         return "no value (null, or missing where other rows have one)"
     if not isinstance(value, (str, list)):
@@ -1331,7 +1337,7 @@ def check_rewards(rewards, sources):
 
 
 def check_linear_head(model, head, hidden, logits):
-    """HeadLogprobs needs logits linear in the last hidden state (no logit scale, no soft-capping)."""
+    """HeadLogprobs needs logits linear in the last hidden state (no logit scale nor soft-capping)."""
     with torch.no_grad():
         difference = (F.linear(hidden, head.weight, head.bias).float() - logits.float()).abs()
     if (difference > 0.02 * (1 + logits.float().abs().max())).any():
@@ -1340,9 +1346,25 @@ def check_linear_head(model, head, hidden, logits):
 
 
 def check_checkpoint(path, args):
-    """The manifest of a complete checkpoint of this run (the same arguments, but those of type Resumable)."""
+    """The manifest of a complete checkpoint of this run (the same arguments but Resumable ones); its .metadata read
+    through an allow-list, with no bytes entry (DCP unpickles those), first: loading one runs no planted code."""
     if not is_complete(path):
         raise ScriptError(f"--resume_from {path!r} is not a complete checkpoint: --resume_from auto finds one")
+    allowed = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+               ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "Path")}
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if not (module == "torch.distributed.checkpoint.metadata" or (module, name) in allowed
+                    or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+                raise ScriptError(f"checkpoint metadata refers to {module}.{name}: not a DCP metadata class")
+            return super().find_class(module, name)
+
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        entries = Unpickler(f).load().state_dict_metadata.items()
+    pickled = [key for key, entry in entries if isinstance(entry, dcp.metadata.BytesStorageMetadata)]
+    if pickled:
+        raise ScriptError(f"checkpoint {path} lists a non-tensor entry ({pickled[0]}): not ours")
     manifest = json.load(open(f"{path}/checkpoint.json"))
     origin = {"batch_size": " (processes x micro-batch x accumulation)",  # computed: named by what makes them
               "num_training_steps": " (--max_steps, or --num_train_epochs x the rows)"}
@@ -1354,36 +1376,6 @@ def check_checkpoint(path, args):
         raise ScriptError(f"checkpoint {path} does not match the arguments: {'; '.join(mismatched)}. Resume with "
                           "its arguments")
     return manifest
-
-
-class CheckpointReader(dcp.FileSystemReader):
-    """DCP's reader, .metadata unpickled through an allow-list, with no bytes entry (DCP unpickles those): a
-    checkpoint runs no planted code."""
-
-    def __init__(self, path):
-        super().__init__(path)
-        self.read_metadata()  # here, as DCP swallows read_metadata's errors
-
-    def read_metadata(self, *args, **kwargs):
-        allowed = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-                   ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "Path")}
-
-        class Unpickler(pickle.Unpickler):
-            def find_class(self, module, name):
-                if not (module == "torch.distributed.checkpoint.metadata" or (module, name) in allowed
-                        or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
-                    raise ScriptError(f"checkpoint metadata refers to {module}.{name}: not a DCP metadata class")
-                return super().find_class(module, name)
-
-        with open(os.path.join(self.path, ".metadata"), "rb") as f:
-            metadata = Unpickler(f).load()
-        entries = metadata.state_dict_metadata.items()
-        pickled = [key for key, entry in entries if isinstance(entry, dcp.metadata.BytesStorageMetadata)]
-        if pickled:
-            raise ScriptError(f"checkpoint {self.path} lists a non-tensor entry ({pickled[0]}): not ours")
-        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 if __name__ == "__main__":

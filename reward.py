@@ -50,8 +50,9 @@ OffOrAtLeast1 = Annotated[int, ("-1 (off) or at least 1", lambda v: v == -1 or v
 Positive = Annotated[float, ("above 0", lambda v: v > 0)]
 NonNegative = Annotated[float, ("0 or more", lambda v: v >= 0)]
 Fraction = Annotated[float, ("in [0, 1]", lambda v: 0 <= v <= 1)]
-ShardDegree = Annotated[int, ("-1 (all) or a divisor of the processes",
+ShardDegree = Annotated[int, ("-1 (all) or a divisor of the {} processes",
                               lambda v: v == -1 or v >= 1 and dist.get_world_size() % v == 0)]
+Offload = Annotated[bool, ("False on a machine without a GPU", lambda v: not v or torch.cuda.is_available())]
 RESUMABLE = "may change on resume: logging, the global batch's split"
 Resumable = Annotated[TypeVar("T"), RESUMABLE]
 
@@ -71,7 +72,7 @@ class Args:
     model_name_or_path: str = "runs/sft"
     """a hub id or a local model folder: the SFT model to start from"""
     dataset_name: str = "toy/preference"
-    """a hub id, a local .json/.jsonl/.parquet/.csv file (train split), or a folder of them"""
+    """a hub id, a local .json/.jsonl/.parquet/.csv file (its train split), or a folder of them"""
     dataset_train_split: str = "train"
     """the split to train on (or, in a folder, a data file by its name)"""
     dataset_test_split: str = "test"
@@ -104,12 +105,12 @@ class Args:
     """bf16 compute on GPU, fp32 parameters"""
     gradient_checkpointing: Resumable[bool] = False
     """recompute activations in the backward to save memory"""
-    cpu_offload: Resumable[bool] = False
-    """parameters, gradients and optimizer state in CPU memory (FSDP2's CPUOffloadPolicy)"""
+    cpu_offload: Resumable[Offload] = False
+    """parameters, gradients, optimizer state in CPU memory (FSDP2's CPUOffloadPolicy)"""
     shard_degree: Resumable[ShardDegree] = -1
-    """shard each model over groups of this many processes (-1: all), replicated across the groups (HSDP)"""
+    """shard each model over groups of this many processes (-1: all), replicated across them (HSDP)"""
     reshard_after_forward: Resumable[bool] = True
-    """free gathered parameters after each layer's forward (False: faster, more memory)"""
+    """free gathered parameters after a layer's forward (False: faster, more memory)"""
     log_every: Resumable[AtLeast1] = 10
     """log every this many optimizer steps"""
     eval_every: Resumable[OffOrAtLeast1] = -1
@@ -125,7 +126,7 @@ class Args:
     world_size: Resumable[Suppress[Optional[int]]] = None
     """(computed) processes"""
     batch_size: Suppress[Optional[int]] = None
-    """(computed) an optimizer step's global batch: processes x micro-batch x accumulation steps"""
+    """(computed) an optimizer step's global batch: processes x micro-batch x accumulation"""
     num_training_steps: Suppress[Optional[int]] = None
     """(computed) the run's optimizer steps"""
     max_prompt_length: AtLeast1 = 512
@@ -191,14 +192,14 @@ def evaluate(model, data, args, pad_token_id):
 
 def main(args):
     # 1. distributed init, batch sizes, seeds, the guards
-    rank, world_size, device = setup(args)
+    rank, world_size, device, mesh = setup(args)
 
     # 2. data: every rank tokenises the same rows, so each knows the whole global batch
     tokenizer, pad_token_id, train, test, dropped = load_data(args, tokenize_preference)
     epochs_of(len(train["prompt"]), args, dropped)
 
     # 3. model + FSDP2: the SFT model with a score head, no dropout
-    model = shard_model(disable_dropout(load_with_score_head(args, pad_token_id)), args, device)
+    model = shard_model(disable_dropout(load_with_score_head(args, pad_token_id)), args, mesh)
 
     # 4. optimizer and LR schedule (or both restored by --resume_from)
     optimizer, scheduler, start_step, state = make_optimizer(model, args)
@@ -251,7 +252,7 @@ def main(args):
 # ---------------------------------------------------------------------------------------------------------------------
 # Infrastructure: identical in every script that has it (tests/test_consistency.py). Skip it on a first read.
 def setup(args):
-    """Distributed init (one process under plain `python`), the guards, batch sizes, seed."""
+    """Distributed init (one process under plain `python`), guards, batch sizes, seed, the models' mesh."""
     gpu, alone = torch.cuda.is_available(), {"store": dist.HashStore(), "rank": 0, "world_size": 1}
     dist.init_process_group("nccl" if gpu else "gloo", **({} if "RANK" in os.environ else alone))
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -265,12 +266,15 @@ def setup(args):
     args.world_size = world_size
     args.batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
     torch.manual_seed(args.seed + rank)  # dropout (sft.py leaves it on)
-    return rank, world_size, device
+    shards = world_size if args.shard_degree == -1 else args.shard_degree  # one replica: FSDP, 1-D; else HSDP
+    dims = {"replicate": world_size // shards, "shard": shards} if shards < world_size else {"shard": shards}
+    mesh = dist.init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    return rank, world_size, device, mesh
 
 
 def load_data(args, tokenize):
-    """The tokenizer, its pad id (EOS if none: masks come from lengths), the splits tokenised, whole on every
-    rank, and the rows dropped."""
+    """The tokenizer, its pad id (EOS if none: masks come from lengths), the splits tokenised on every rank, the rows
+    dropped."""
     tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
     check_tokenizer(tokenizer, args)
     pad_token_id, splits = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id, {}
@@ -294,7 +298,7 @@ DATA_EXTENSIONS = tuple(kind + packing for kind in (".json", ".jsonl", ".parquet
 
 
 def load_split(name, split):
-    """A split of a hub dataset, folder or file (its train split), or None; in a folder, a split may be a file."""
+    """A split of a hub dataset, folder or file (its train split), or None; in a folder a split may be a file."""
     check_local_path(name, "--dataset_name")
     if os.path.isfile(name):
         return load_file(name) if split == "train" else None
@@ -334,8 +338,8 @@ def load_file(path):
 
 
 def tokenize_prompt_completion(tokenizer, prompt, completion):
-    """Prompt and completion ids from strings or messages (the completion: what the chat template adds
-    after the generation prompt); EOS appended unless there."""
+    """Prompt and completion ids from strings or messages (the completion: what the template adds after the
+    generation prompt), EOS appended unless there."""
     if isinstance(prompt, str):
         prompt_ids = tokenizer(prompt)["input_ids"]  # with BOS, if the tokenizer adds one
     else:
@@ -398,7 +402,7 @@ def epochs_of(num_rows, args, dropped):
 
 
 def global_batch(step, num_rows, batch_size, seed):
-    """Rows of global batch `step`: a function of the step alone, the same on every rank and on resume."""
+    """Rows of global batch `step`: a function of the step alone, on every rank and on resume."""
     epoch, position = divmod(step, num_rows // batch_size)
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     return order[position * batch_size : (position + 1) * batch_size].tolist()
@@ -413,8 +417,8 @@ def micro_batches(batch, args):
 
 
 def rank_micro_batches(num_rows, size):
-    """This rank's share of the rows in as many micro-batches on every rank (FSDP forwards are
-    collectives): a rank out of rows gets row 0, valid False."""
+    """This rank's share of the rows, in as many micro-batches on every rank (FSDP forwards are collectives): a rank
+    out of rows gets row 0, valid False."""
     share = list(range(dist.get_rank(), num_rows, dist.get_world_size()))
     for start in range(0, math.ceil(num_rows / dist.get_world_size()), size):
         rows = share[start : start + size]
@@ -428,16 +432,16 @@ def pad(sequences, value, side):
 
 
 def make_batch(prompts, completions, pad_token_id):
-    """[left-padded prompts | right-padded completions], masks from the lengths, never from pad_token_id (EOS stays
-    in the loss when pad == eos)."""
+    """[left-padded prompts | right-padded completions], masks from the lengths, never pad_token_id (EOS stays in the
+    loss when pad == eos)."""
     input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
     completion_mask = pad([[1] * len(c) for c in completions], 0, "right")
     return input_ids, torch.cat([pad([[1] * len(p) for p in prompts], 0, "left"), completion_mask], 1), completion_mask
 
 
 def load_pretrained(auto_class, path, args, flag, **options):
-    """auto_class.from_pretrained(path), refused naming `flag`. A model (fp32), with its load report, is read by
-    the first process alone; the others build it on the meta device."""
+    """auto_class.from_pretrained(path), refused naming `flag`. A model (fp32, with its load report) is read by the
+    first process alone, built on the meta device by the others."""
     check_local_path(path, flag, auto_class)
     if auto_class is AutoTokenizer:
         try:
@@ -474,26 +478,24 @@ def disable_dropout(model):
     return model
 
 
-def shard_model(model, args, device):
-    """FSDP2 (HSDP over a 2-D mesh): gradients summed (each loss is a global mean already); the first process's
-    weights broadcast, a tensor at a time, each process keeping its shard."""
+def shard_model(model, args, mesh):
+    """FSDP2 over `mesh` (HSDP if 2-D), gradients summed (each loss is a global mean); the first process's weights
+    broadcast a tensor at a time, each process keeping its shard."""
     loaded = model.state_dict() if dist.get_rank() == 0 else {}  # the first process's, read from disk
-    if args.gradient_checkpointing:  # it acts in training mode only: not on frozen models
+    if args.gradient_checkpointing:  # in training mode only: not on frozen models
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if args.bf16 and device.type == "cuda" else {}
-    shards = dist.get_world_size() if args.shard_degree == -1 else args.shard_degree  # HSDP: replicas x shards
-    mesh = dist.init_device_mesh(device.type, (dist.get_world_size() // shards, shards),
-                                 mesh_dim_names=("replicate", "shard"))
+    gpu = mesh.device_type == "cuda"
+    bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if args.bf16 and gpu else {}
     policies = {"mesh": mesh,
                 "mp_policy": MixedPrecisionPolicy(**bf16),
                 "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()}
     layers = [module for module in model.modules() if type(module).__name__ in (model._no_split_modules or [])]
-    for module in layers + [model]:  # each decoder layer, then the root (None: the root keeps its gathered weights)
+    for module in layers + [model]:  # each decoder layer, then the root (None: the root keeps its weights gathered)
         fully_shard(module, reshard_after_forward=None if args.reshard_after_forward else False, **policies)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
-    if dist.get_rank() > 0:  # built on the meta device: room for its shards, filled below
-        model.to_empty(device="cpu" if args.cpu_offload else device)
+    if dist.get_rank() > 0:  # built on the meta device: room for its shards
+        model.to_empty(device="cpu" if args.cpu_offload else mesh.device_type)
     set_model_state_dict(model, loaded, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for buffer in model.buffers():  # not all are in a state dict (rotary inv_freq)
         dist.broadcast(buffer, src=0)
@@ -501,7 +503,7 @@ def shard_model(model, args, device):
 
 
 def last_token_index(attention_mask):
-    """Each row's last real token, from the mask (pad may equal EOS)."""
+    """Each row's last real token, from the mask (pad may be EOS)."""
     return (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(1)
 
 
@@ -522,7 +524,7 @@ def sequence_scores(model, input_ids, attention_mask):
 
 
 def make_optimizer(model, args):
-    """AdamW or TF-style Adam, the LR schedule, and the state --resume_from restores."""
+    """AdamW or TF-style Adam, the LR schedule, and what --resume_from restores."""
     if args.optimizer == "adam_tf":
         optimizer = AdamTF(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
     else:
@@ -536,7 +538,7 @@ def make_optimizer(model, args):
 
 
 def open_metrics(args, start_step):
-    """wandb, metrics.jsonl (kept up to a resumed step), a progress bar at a terminal only."""
+    """wandb, metrics.jsonl (kept up to a resumed step), a progress bar at a terminal."""
     path, rank = os.path.join(args.output_dir, "metrics.jsonl"), dist.get_rank()
     if rank == 0:
         if args.track:
@@ -552,7 +554,7 @@ def open_metrics(args, start_step):
 
 
 def optimizer_step(model, optimizer, scheduler, loss, step, args):
-    """Clip the gradient norm, update unless guard_step stops the run, step the LR schedule once."""
+    """Clip the gradient norm, update unless guard_step stops the run, step the schedule once."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf).full_tensor()
     stop = guard_step(loss, grad_norm, step, args)
     optimizer.step()
@@ -563,7 +565,7 @@ def optimizer_step(model, optimizer, scheduler, loss, step, args):
 
 
 def is_due(step, every, args):
-    """Whether to log or evaluate after `step`: every `every` steps (-1: never), and the last."""
+    """Whether to log or evaluate after `step`: every `every` steps (-1: never) and the last."""
     return step == args.num_training_steps or (every > 0 and step % every == 0)
 
 
@@ -576,7 +578,7 @@ def reduce_sums(sums):
 
 
 def log_metrics(metrics, path, args, progress, samples=None):
-    """Rank 0 prints the metrics (and samples), logs them to metrics.jsonl and wandb."""
+    """Rank 0 prints the metrics (and samples), writes them to metrics.jsonl and wandb."""
     if dist.get_rank() != 0:
         return
     progress.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
@@ -593,11 +595,11 @@ def log_metrics(metrics, path, args, progress, samples=None):
 
 
 def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
-    """checkpoints/step_N: the arguments, each rank's scheduler, RNG and loop state, then model and optimizer
-    (DCP, sharded: its .metadata, written last, marks the checkpoint complete). Then, if `stop` (a signal), the exit."""
+    """checkpoints/step_N: the arguments, each rank's scheduler, RNG and loop state, then model and optimizer (DCP,
+    sharded: its .metadata, written last, marks it complete). If `stop` (a signal), the exit."""
     rank, path = dist.get_rank(), os.path.join(args.output_dir, "checkpoints", f"step_{step}")
     if rank == 0:
-        shutil.rmtree(path, ignore_errors=True)  # left by a crash, or a restarted run's old step
+        shutil.rmtree(path, ignore_errors=True)  # a crash's, or a restarted run's old step
         os.makedirs(path)
         with open(f"{path}/checkpoint.json", "w") as f:
             json.dump({"step": step, "args": vars(args)}, f, indent=1)
@@ -606,7 +608,7 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
     torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state}, f"{path}/rank{rank}.pt")
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)
-    signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # a signal may have reached another rank only
+    signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # the signal may have reached another rank only
     if stop and rank == 0:
         print(f"stopped by {signal.Signals(signum).name}: checkpoint {path}; --resume_from auto continues")
     dist.barrier()
@@ -623,7 +625,7 @@ def complete_checkpoints(output_dir):
 
 
 def is_complete(path):
-    """A checkpoint folder with its arguments and DCP's .metadata."""
+    """A checkpoint folder with its arguments and .metadata."""
     return os.path.exists(f"{path}/checkpoint.json") and os.path.exists(f"{path}/.metadata")
 
 
@@ -632,14 +634,14 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
     manifest = check_checkpoint(path, args)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state["state"]}
-    dcp.load(state, storage_reader=CheckpointReader(path))
+    dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict={"state": state["optimizer"], "param_groups": optimizer_state["param_groups"]})
-    same = manifest["args"]["world_size"] == args.world_size  # else the per-rank random streams restart
+    same = manifest["args"]["world_size"] == args.world_size  # else per-rank random streams restart
     extra = torch.load(f"{path}/rank{dist.get_rank() if same else 0}.pt", weights_only=True)
     scheduler.load_state_dict(extra["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-        group["lr"] = lr  # the next step's (param_groups are not in the checkpoint)
+        group["lr"] = lr  # the next step's (not in the checkpoint)
     if same:
         torch.set_rng_state(extra["rng"]["torch"])
         if "cuda" in extra["rng"]:
@@ -650,10 +652,10 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
 
 
 def finish(model, tokenizer, args, device):
-    """The full weights gathered (a collective) into a Hugging Face folder by rank 0; the peak memory printed;
-    wandb and the process group closed."""
+    """The full weights gathered (a collective) into a Hugging Face folder by rank 0, the peak memory printed, wandb
+    and the process group closed."""
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    kept = dict(model.named_parameters()) | dict(model.named_buffers())  # a tied head comes back as a copy: not it
+    kept = dict(model.named_parameters()) | dict(model.named_buffers())  # not a tied head's copy
     state_dict = {name: tensor for name, tensor in state_dict.items() if name in kept}
     if dist.get_rank() == 0:
         model.save_pretrained(args.output_dir, state_dict=state_dict)
@@ -668,33 +670,34 @@ def finish(model, tokenizer, args, device):
             import wandb
 
             wandb.finish()
-    dist.barrier()  # no rank tears the group down while another still communicates
+    dist.barrier()  # no rank tears the group down while another communicates
     dist.destroy_process_group()
 
 
 # Guards: what only refuses bad input or protects a run, each reached by one call from the plumbing or main.
 class ScriptError(ValueError):
-    """An error raised on purpose: its message names the problem, where, and the fix."""
+    """An error on purpose: its message names the problem, where, and the fix."""
 
 
 def guard_run(args, auto):
-    """Errors as one line, signals as a checkpoint, bars and logs at a terminal only, numbers their type in Args
-    rules out refused (a batch size of 0, NaN), output_dir claimed."""
+    """Errors as one line, signals as a checkpoint, bars and logs at a terminal only, numbers their type rules out
+    refused (a batch size of 0, NaN), output_dir claimed."""
     sys.excepthook = report_error
     signal.signal(signal.SIGTERM, request_stop)  # preemption: torchrun forwards it to every process
     signal.signal(signal.SIGINT, request_stop)
     logging.getLogger("transformers.modeling_utils").addFilter(lambda record: "LOAD REPORT" not in str(record.msg))
-    if dist.get_rank() > 0 or not sys.stderr.isatty():  # a log file: the metric lines and refusals alone
+    if dist.get_rank() > 0 or not sys.stderr.isatty():  # a log file: metric lines and refusals alone
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
         logging.getLogger("datasets").setLevel(logging.CRITICAL)  # its errors: named by ours
         logging.getLogger("transformers").setLevel(logging.ERROR)
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # retries: our one line says why
     for field in fields(args):
         value, types = getattr(args, field.name), (field.type, *get_args(field.type))  # Optional[X]: X too
         for allowed, check in [rule for t in types for rule in getattr(t, "__metadata__", ()) if type(rule) is tuple]:
             if value is not None and not check(value):
                 raise ScriptError(f"--{field.name} {value}: {'not a number' if value != value else 'must be'} "
-                                  f"{allowed}")
+                                  f"{allowed.format(dist.get_world_size())}")
     claim_output_dir(args, auto)
 
 
@@ -731,8 +734,7 @@ def claim_output_dir(args, auto):
 
 
 def output_dir_verdict(args, auto, token):
-    """The first process's refusal or None: a flock held for the run's life; another run's folder refused unless
-    continued."""
+    """The first process's refusal or None: a flock held for the run's life; another run's folder unless continued."""
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         lock = open(os.path.join(args.output_dir, ".lock"), "a+")
@@ -747,7 +749,7 @@ def output_dir_verdict(args, auto, token):
     OUTPUT_DIR_LOCK[:] = [lock]
     found = [name for name in RUN_FILES if os.path.exists(os.path.join(args.output_dir, name))]
     finished = any(name.startswith("model.") for name in found)
-    if not found or args.resume_from or (auto and not finished):  # auto restarts a run stopped before a checkpoint
+    if not found or args.resume_from or (auto and not finished):  # auto: restarts a run stopped before a checkpoint
         return None
     auto = "--resume_from auto continues it, " if not finished or complete_checkpoints(args.output_dir) else ""
     return f"--output_dir {args.output_dir} holds another run ({', '.join(found)}): {auto}or remove it, or choose " \
@@ -765,8 +767,8 @@ def request_stop(signum, frame):
 
 
 def guard_step(loss, grad_norm, step, args):
-    """One all-reduce: a non-finite loss or norm anywhere, or a first step giving no gradient at all, stops the
-    run before the update; a signal anywhere stops it after."""
+    """One all-reduce: a non-finite loss or norm anywhere, or a first step with no gradient at all, stops the run
+    before the update; a signal anywhere, after it."""
     no_gradient = (grad_norm == 0) & (loss != 0) & (step == 1)
     flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(grad_norm), no_gradient,
                          torch.tensor(bool(STOP_SIGNALS), device=grad_norm.device)]).float()
@@ -802,8 +804,8 @@ def loading_error(auto_class, path, flag, error):
 
 
 def check_tokenizer(tokenizer, args):
-    """An EOS (and a pad, if any) from the tokenizer's own files, not one HF made up."""
-    listed = tokenizer.init_kwargs.get("added_tokens_decoder")  # the added tokens its files define
+    """An EOS (and a pad, if any) from the tokenizer's files, not made up by HF."""
+    listed = tokenizer.init_kwargs.get("added_tokens_decoder")  # the added tokens of its files
     for name in ("eos", "pad"):
         token = getattr(tokenizer, f"{name}_token_id")
         made_up = listed and token and token >= tokenizer.vocab_size and token not in listed
@@ -816,7 +818,7 @@ DATASETS_METADATA = {"dataset_infos.json", "dataset_info.json", "state.json", "d
 
 
 def check_split_files(folder, splits):
-    """Every data file of a folder in a split (datasets skips files with no split word once one has)."""
+    """Every data file of a folder in a split (datasets skips files without a split word once one has it)."""
     used = {os.path.realpath(f) for files in splits.values() for f in files}
     skipped = [os.path.relpath(f, folder) for f in glob.glob(f"{folder}/**/*", recursive=True)  # hidden ones aside
                if f.endswith(DATA_EXTENSIONS) and os.path.basename(f) not in DATASETS_METADATA
@@ -828,7 +830,7 @@ def check_split_files(folder, splits):
 
 
 def data_file_problem(path, column=None):
-    """Why a JSON or JSONL file does not load, or the first row whose `column` is not text, by line; or None."""
+    """Why a JSON(L) file does not load, or the first row whose `column` is not text, by line; or None."""
     raw = open(path, "rb").read()
     try:
         text = raw.decode("utf-8")
@@ -839,7 +841,7 @@ def data_file_problem(path, column=None):
         return f"dataset file {path!r} is empty"
     for number, line in enumerate(text.splitlines(), 1):
         try:
-            row = json.loads(line.strip() or "null")  # a blank line is no row, and no error
+            row = json.loads(line.strip() or "null")  # a blank line: no row, no error
         except json.JSONDecodeError as e:
             return f"dataset file {path!r} line {number} is not valid JSON ({e.msg}, column {e.colno}): {line[:80]!r}"
         if column and isinstance(row, dict) and not isinstance(row.get(column, ""), str):
@@ -851,8 +853,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def check_columns(dataset, args, split, tokenizer):
-    """Text, not numbers ("0457" read as 457); messages with a role and text; no text spelling a special
-    token (it would become one: a fake turn, an early EOS)."""
+    """Text, not numbers ("0457" read as 457); messages with a role and text; no text spelling a special token (it
+    would become one: a fake turn, an early EOS)."""
     specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special})
     names = ["prompt", "completion", "chosen", "rejected", "messages", getattr(args, "prompt_column", "prompt"),
              getattr(args, "answer_column", "answer")]
@@ -863,7 +865,7 @@ def check_columns(dataset, args, split, tokenizer):
             raise ScriptError(file and data_file_problem(file, column) or f"{where}: text mixed with other values")
         try:
             values = list(dataset[column])
-        except UnicodeDecodeError as e:  # pyarrow keeps the bytes unchecked: they fail when read as text
+        except UnicodeDecodeError as e:  # pyarrow keeps bytes unchecked: they fail when read as text
             raise ScriptError(file and data_file_problem(file) or f"{where}: not UTF-8 text ({e.reason})") from e
         for row, value in enumerate(values):
             problem = value_problem(value, specials, ".csv" in file)
@@ -872,7 +874,7 @@ def check_columns(dataset, args, split, tokenizer):
 
 
 def value_problem(value, specials, csv):
-    """What is wrong with a value of a text column (a string, or messages), or None."""
+    """What is wrong with a text column's value (a string, or messages), or None."""
     if value is None:
         return "no value (null, or missing where other rows have one)"
     if not isinstance(value, (str, list)):
@@ -913,9 +915,25 @@ def check_splits(args, tokenizer, splits):
 
 
 def check_checkpoint(path, args):
-    """The manifest of a complete checkpoint of this run (the same arguments, but those of type Resumable)."""
+    """The manifest of a complete checkpoint of this run (the same arguments but Resumable ones); its .metadata read
+    through an allow-list, with no bytes entry (DCP unpickles those), first: loading one runs no planted code."""
     if not is_complete(path):
         raise ScriptError(f"--resume_from {path!r} is not a complete checkpoint: --resume_from auto finds one")
+    allowed = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+               ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "Path")}
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if not (module == "torch.distributed.checkpoint.metadata" or (module, name) in allowed
+                    or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+                raise ScriptError(f"checkpoint metadata refers to {module}.{name}: not a DCP metadata class")
+            return super().find_class(module, name)
+
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        entries = Unpickler(f).load().state_dict_metadata.items()
+    pickled = [key for key, entry in entries if isinstance(entry, dcp.metadata.BytesStorageMetadata)]
+    if pickled:
+        raise ScriptError(f"checkpoint {path} lists a non-tensor entry ({pickled[0]}): not ours")
     manifest = json.load(open(f"{path}/checkpoint.json"))
     origin = {"batch_size": " (processes x micro-batch x accumulation)",  # computed: named by what makes them
               "num_training_steps": " (--max_steps, or --num_train_epochs x the rows)"}
@@ -927,36 +945,6 @@ def check_checkpoint(path, args):
         raise ScriptError(f"checkpoint {path} does not match the arguments: {'; '.join(mismatched)}. Resume with "
                           "its arguments")
     return manifest
-
-
-class CheckpointReader(dcp.FileSystemReader):
-    """DCP's reader, .metadata unpickled through an allow-list, with no bytes entry (DCP unpickles those): a
-    checkpoint runs no planted code."""
-
-    def __init__(self, path):
-        super().__init__(path)
-        self.read_metadata()  # here, as DCP swallows read_metadata's errors
-
-    def read_metadata(self, *args, **kwargs):
-        allowed = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-                   ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "Path")}
-
-        class Unpickler(pickle.Unpickler):
-            def find_class(self, module, name):
-                if not (module == "torch.distributed.checkpoint.metadata" or (module, name) in allowed
-                        or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
-                    raise ScriptError(f"checkpoint metadata refers to {module}.{name}: not a DCP metadata class")
-                return super().find_class(module, name)
-
-        with open(os.path.join(self.path, ".metadata"), "rb") as f:
-            metadata = Unpickler(f).load()
-        entries = metadata.state_dict_metadata.items()
-        pickled = [key for key, entry in entries if isinstance(entry, dcp.metadata.BytesStorageMetadata)]
-        if pickled:
-            raise ScriptError(f"checkpoint {self.path} lists a non-tensor entry ({pickled[0]}): not ours")
-        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 if __name__ == "__main__":

@@ -493,7 +493,8 @@ def test_generation_runs_without_fsdp_hooks_and_matches_the_plain_model(toy):
         plain = AutoModelForCausalLM.from_pretrained(toy / "model").eval()
         args = SimpleNamespace(bf16=False, cpu_offload=False, reshard_after_forward=True, shard_degree=-1,
                                gradient_checkpointing=False)
-        model = shard_model(AutoModelForCausalLM.from_pretrained(toy / "model"), args, torch.device("cpu"))
+        mesh = dist.init_device_mesh("cpu", (1,))
+        model = shard_model(AutoModelForCausalLM.from_pretrained(toy / "model"), args, mesh)
         fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         hooks = [(list(m._forward_pre_hooks.values()), list(m._forward_hooks.values())) for m in fsdp_modules]
         assert all(pre and post for pre, post in hooks)
@@ -553,7 +554,8 @@ def test_generation_gathers_parameters_once(toy):
                 bf16=False, cpu_offload=False, reshard_after_forward=not keep, gradient_checkpointing=False,
                 shard_degree=-1,
             )
-            model = shard_model(AutoModelForCausalLM.from_pretrained(toy / "model"), args, torch.device("cpu"))
+            mesh = dist.init_device_mesh("cpu", (1,))
+            model = shard_model(AutoModelForCausalLM.from_pretrained(toy / "model"), args, mesh)
             num_groups = 1 + model.config.num_hidden_layers
             generate = lambda: generate_completions(
                 model, [[70, 71, 72], [73]], 8, 1.0, eos_token_id=-1, pad_token_id=0
@@ -820,6 +822,22 @@ def test_grpo_raises_exact_match(toy, sft_model, tmp_path):
     # one iteration: the old policy is the current one, so the ratio is exactly 1 and nothing is clipped
     assert all(r["val/ratio"] == 1.0 and r["val/ratio_var"] == 0.0 and r["policy/clipfrac_avg"] == 0.0 for r in rows)
     assert "reward +" in result.stdout  # the sample table
+
+
+def test_online_dpo_raises_exact_match(toy, sft_model, tmp_path):
+    """Online DPO from the toy SFT model, 2 processes, each group's best and worst sample by the exact-match verifier a
+    pair, 10 steps: greedy exact match rises by at least 0.15 (measured: 0.520 to 0.980). With chosen and rejected
+    swapped in grpo.py the same run ended at 0.500."""
+    from toy_task import exact_match
+
+    out, test_file = tmp_path / "online_dpo", str(toy / "prompts" / "test.jsonl")
+    flags = ["--policy_loss", "dpo", "--beta", 1.0, "--learning_rate", 1e-4, "--max_steps", 10, "--log_every", 5,
+             "--warmup_ratio", 0.1, "--per_device_eval_batch_size", 100]
+    result = run_script("grpo.py", grpo_args(sft_model[0], toy / "prompts", out, *flags), nproc=2)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
+    before, after = exact_match(str(sft_model[0]), test_file), exact_match(str(out), test_file)
+    print(f"greedy exact match: SFT {before:.3f} -> online DPO {after:.3f}")
+    assert after >= before + 0.15 and read_metrics(out)[-1]["rewards/accuracies"] > 0.5
 
 
 def test_verifier_numbers_are_whole_numbers():

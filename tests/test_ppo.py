@@ -232,7 +232,7 @@ def two_optimizers(toy, sft_model, reward_model, tmp_path_factory):
     for result in run_scripts(launches):  # both at once
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
         assert (
-            "2 rollouts of 16 prompts x 1, each 4 steps of 8"
+            "2 rollouts of 16 prompts, each 4 steps of 8"
             in result.stdout
         )
     return {optimizer: read_metrics(root / optimizer) for optimizer in ("adam_tf", "adamw")}

@@ -187,7 +187,9 @@ def test_batch_sizes_that_do_not_divide(script, toy, scored_model, tmp_path):
         ),
     )
     assert isinstance(error, ValueError), repr(error)
-    assert "--max_steps 3: must be a multiple of a rollout's 2 optimizer steps" in str(error)
+    assert f"--max_steps 3: must be a multiple of a rollout's 2 optimizer steps (--{key} x --num_mini_batches)" in str(
+        error
+    )
     error, _ = run_in_process(
         script,
         script_args(
@@ -205,7 +207,7 @@ def test_batch_sizes_that_do_not_divide(script, toy, scored_model, tmp_path):
         ),
     )
     assert isinstance(error, ValueError), repr(error)
-    assert "--save_every 1: must be a multiple of a rollout's 2 optimizer steps" in str(error)
+    assert f"--save_every 1: must be a multiple of a rollout's 2 optimizer steps (--{key} x" in str(error)
 
 
 def test_remote_code_runs_only_with_trust_remote_code(toy, tmp_path):
@@ -498,8 +500,10 @@ def test_arguments_that_cannot_be_meant_are_refused_before_loading(script, toy, 
         ("--log_every", 0, "at least 1"),
         ("--learning_rate", -1e-5, "above 0"),
         ("--warmup_ratio", 1.5, "in [0, 1]"),
-        ("--shard_degree", 2, "-1 (all) or a divisor of the processes"),  # 1 process here
+        ("--shard_degree", 2, "-1 (all) or a divisor of the 1 processes"),  # 1 process here: it names their number
     ]
+    if not torch.cuda.is_available():  # FSDP2's offload pins memory for a GPU: a traceback per process, once
+        bad.append(("--cpu_offload", True, "False on a machine without a GPU"))
     bad += {
         "dpo.py": [("--beta", -0.1, "above 0"), ("--beta", 0.0, "above 0")],
         "grpo.py": [
@@ -510,7 +514,8 @@ def test_arguments_that_cannot_be_meant_are_refused_before_loading(script, toy, 
         "ppo.py": [("--num_mini_batches", 0, "at least 1"), ("--gamma", 1.5, "in [0, 1]")],
     }.get(script, [])
     for flag, value, allowed in bad:
-        args = script_args(script, tmp_path / "no_model", toy / DATA[script], tmp_path / "out", "rm", flag, value)
+        given = [flag] if value is True else [flag, value]  # a switch has no value
+        args = script_args(script, tmp_path / "no_model", toy / DATA[script], tmp_path / "out", "rm", *given)
         error, _ = run_in_process(script, args)
         assert isinstance(error, ValueError) and f"{flag} {value}: must be {allowed}" in str(error), (flag, repr(error))
 
@@ -669,6 +674,29 @@ def test_a_local_path_that_is_not_there_is_not_looked_up_on_the_hub(toy, tmp_pat
         for missing in (str(tmp_path / "nowhere"), f"{toy}/sft_typo"):
             error, _ = run_in_process("sft.py", script_args_for(missing))
             assert isinstance(error, ValueError) and f"{flag} {missing!r}: no such" in str(error), repr(error)
+
+
+def test_a_model_neither_here_nor_on_the_hub_is_one_line(toy, tmp_path, monkeypatch, caplog):
+    """A hub id that is not cached, with the hub not set offline and out of reach (no network here): the line came
+    after 23 lines of the hub library's retries (85 on two processes). Now that line alone. (The retries' waits, 50 s,
+    are skipped here.)"""
+    import logging
+    import time
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
+    try:
+        error, printed = run_in_process("sft.py", script_args("sft.py", "no-such-org/no-such-model", toy / "sft",
+                                                              tmp_path, None))
+    finally:
+        hub_logger.setLevel(level)
+    assert isinstance(error, ValueError) and "--model_name_or_path 'no-such-org/no-such-model': no such folder, nor " \
+        "on the hub" in str(error), repr(error)
+    assert not [r for r in caplog.records if "Retrying" in r.getMessage()], caplog.text[-2000:]
 
 
 def test_data_that_is_nowhere_or_has_no_files_is_one_line(toy, tmp_path):
