@@ -14,7 +14,10 @@ Stages (a failed check is named in the results and the summary; a failed stage d
                difference between two straight runs: the GPU's own run-to-run noise)
   speed        Qwen2.5-0.5B's shape with random weights, bf16, one GPU: sft tokens/s and MFU, dpo s/step, a grpo step
                by part (bench/profile_rl.py), peak GPU memory of each; TRL's SFTTrainer, DPOTrainer and GRPOTrainer on
-               the same shapes, batch sizes and lengths (bench/trl_equivalent.py), and the ratios ours / TRL
+               the same shapes, batch sizes and lengths (bench/trl_equivalent.py). The runs alternate ours and TRL's,
+               `repeats` rounds (SIZES): the median seconds a step and the range of each side, the ratio of the
+               medians with its range, and a verdict: faster or slower only where the two ranges do not overlap,
+               else within noise
   generation   at the grpo shape: HF generate with its dynamic cache (what grpo.py and ppo.py call), a static cache with
                torch.compile (grpo.py/ppo.py --cache_implementation static), and continuous batching (generate_batch):
                samples/s, and whether each samples from exactly softmax(logits / T) (fp32, against a teacher-forced
@@ -46,16 +49,18 @@ from compare_trl import make_model, run, seconds_per_step  # noqa: E402
 
 # What each run measures, on a GPU and in the CPU dry run. Lengths in tokens (the toy tokenizer: one token per byte).
 SIZES = {
-    "gpu": dict(shape="qwen2.5-0.5b", prompt=128, completion=384, sft_batch=8, dpo_batch=8, steps=30, skip=5,
-                grpo_prompts=8, grpo_generations=8, grpo_completion=256, grpo_micro=16, grpo_steps=6, grpo_skip=2,
-                toy_steps=4, gen_repeats=1, check_prompts=8, check_tokens=16, run_timeout=240),
+    "gpu": dict(shape="qwen2.5-0.5b", prompt=128, completion=384, sft_batch=8, dpo_batch=8, steps=14, skip=4,
+                grpo_prompts=8, grpo_generations=8, grpo_completion=256, grpo_micro=16, grpo_steps=4, grpo_skip=1,
+                repeats=3, toy_steps=4, gen_repeats=1, gen_batches=(64, 256), check_prompts=8, check_tokens=16,
+                run_timeout=240),
     "dry": dict(shape="tiny", prompt=16, completion=16, sft_batch=4, dpo_batch=4, steps=5, skip=1, grpo_prompts=2,
-                grpo_generations=4, grpo_completion=8, grpo_micro=4, grpo_steps=3, grpo_skip=1, toy_steps=2,
-                gen_repeats=1, check_prompts=4, check_tokens=6, run_timeout=300),
+                grpo_generations=4, grpo_completion=8, grpo_micro=4, grpo_steps=3, grpo_skip=1, repeats=2, toy_steps=2,
+                gen_repeats=1, gen_batches=(8,), check_prompts=4, check_tokens=6, run_timeout=300),
     # the shape users train at: sft 16 x 1024 tokens a step, dpo 8 pairs x 1024, grpo 64 completions of 512 new tokens
-    "users": dict(shape="qwen2.5-0.5b", prompt=256, completion=768, sft_batch=16, dpo_batch=8, steps=15, skip=3,
-                  grpo_prompts=8, grpo_generations=8, grpo_completion=512, grpo_micro=16, grpo_steps=4, grpo_skip=1,
-                  toy_steps=4, gen_repeats=1, check_prompts=8, check_tokens=16, run_timeout=240),
+    "users": dict(shape="qwen2.5-0.5b", prompt=256, completion=768, sft_batch=16, dpo_batch=8, steps=10, skip=2,
+                  grpo_prompts=8, grpo_generations=8, grpo_completion=512, grpo_micro=16, grpo_steps=3, grpo_skip=1,
+                  repeats=3, toy_steps=4, gen_repeats=1, gen_batches=(64, 256), check_prompts=8, check_tokens=16,
+                run_timeout=240),
 }
 # dense bf16 matrix rate from the data sheets (FLOP/s), what MFU is taken against; the measured rate is also reported
 PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
@@ -79,6 +84,7 @@ def main():
         sys.exit("no CUDA device: bench/gpu.py measures a GPU (use --dry-run on CPU)")
     results = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "dry_run": args.dry_run, "sizes": sizes, "stages": {}}
     begin = time.time()
+    args.deadline = begin + args.budget  # the speed stage starts no run past it
     from toy_task import write_toy_task
 
     if not os.path.exists(os.path.join(out, "toy", "model")):  # a few steps a run: 512 training rows are plenty
@@ -348,51 +354,86 @@ def speed_stage(out, sizes, args):
     config = json.load(open(os.path.join(model, "config.json")))
     peak = (peak_tflops() or 0) * 1e12
     result, failures = {"model": sizes["shape"], "parameters": sum(parameter_counts(model).values()), "runs": {}}, []
-    for algo, (our_command, trl_arguments, skip) in plan.items():
-        if algo not in args.algos or (algo == "grpo_static" and not torch.cuda.is_available()):  # compiled on GPUs only
-            continue
-        row, output_dir = {}, os.path.join(runs_dir, f"{algo}_ours")
-        profile = {"PROFILE_JSON": os.path.join(runs_dir, f"{algo}_profile.json"), "PROFILE_SKIP": str(skip)}
-        profile = profile if "grpo" in algo else {}
-        try:
-            os.environ.update(profile)
-            times, memory = run(torchrun(our_command[0], our_command[1:] + ours + ["--output_dir", output_dir]),
-                                metrics_file=os.path.join(output_dir, "metrics.jsonl"), timeout=timeout,
-                                log_file=os.path.join(out, "logs", f"speed_{algo}_ours.log"))
-            row["ours"] = {"seconds_per_step": seconds_per_step(times, skip), "peak_memory_gib": memory}
-            if profile and os.path.exists(profile["PROFILE_JSON"]):
-                row["ours"]["breakdown"] = grpo_breakdown(json.load(open(profile["PROFILE_JSON"])))
-        except Exception as e:
-            failures.append(f"speed {algo} ours: {str(e)[-2000:]}")
-        finally:
-            for key in profile:
-                os.environ.pop(key, None)
-        if with_trl and trl_arguments is None and "trl" in result["runs"].get("grpo", {}):
-            row["trl"] = result["runs"]["grpo"]["trl"]
-        elif with_trl and trl_arguments is not None:
-            trl_dir = os.path.join(runs_dir, f"{algo}_trl")
-            command = [sys.executable, "bench/trl_equivalent.py", algo, "--model", model, "--data", files[algo],
-                       "--output_dir", trl_dir, *map(str, trl_arguments)]
-            try:
-                times, memory = run(command, step_file=os.path.join(trl_dir, "step_times.txt"), timeout=timeout,
-                                    log_file=os.path.join(out, "logs", f"speed_{algo}_trl.log"))
-                row["trl"] = {"seconds_per_step": seconds_per_step(times, skip), "peak_memory_gib": memory}
-            except Exception as e:
-                failures.append(f"speed {algo} TRL: {str(e)[-2000:]}")
+    plan = {algo: row for algo, row in plan.items()
+            if algo in args.algos and (algo != "grpo_static" or torch.cuda.is_available())}  # compiled on GPUs only
+    times = {algo: {"ours": [], "trl": []} for algo in plan}
+    memory, breakdowns = {algo: {"ours": [], "trl": []} for algo in plan}, {}
+    for repeat in range(sizes["repeats"]):  # ours, TRL, algorithm after algorithm, then again: drift hits both sides
+        for algo, (our_command, trl_arguments, skip) in plan.items():
+            sides = {"ours": our_command}
+            if with_trl and trl_arguments is not None:  # grpo_static: against the same TRL runs as grpo
+                sides["trl"] = trl_arguments
+            for side, arguments in sides.items():
+                if time.time() > args.deadline:
+                    failures.append(f"speed {algo} {side}: run {repeat + 1} not started, past the time budget")
+                    continue
+                try:
+                    seconds, gib, profile = timed_run(algo, side, arguments, repeat, skip, out, runs_dir, model,
+                                                      files, ours, timeout)
+                except Exception as e:
+                    failures.append(f"speed {algo} {side} run {repeat + 1}: {str(e)[-2000:]}")
+                    continue
+                times[algo][side].append(seconds)
+                memory[algo][side].append(gib)
+                if profile:
+                    breakdowns.setdefault(algo, grpo_breakdown(profile))
+        json.dump({"times": times, "memory": memory}, open(os.path.join(out, "speed_partial.json"), "w"), indent=1)
+    if "grpo_static" in times and "grpo" in times:
+        times["grpo_static"]["trl"], memory["grpo_static"]["trl"] = times["grpo"]["trl"], memory["grpo"]["trl"]
+    for algo in plan:
+        row = {side: spread(values) | {"peak_memory_gib": max(memory[algo][side])}
+               for side, values in times[algo].items() if values}
+        if "ours" in row and algo in breakdowns:
+            row["ours"]["breakdown"] = breakdowns[algo]
         if "ours" in row and "trl" in row:
-            row["ours_over_trl"] = {"time": row["ours"]["seconds_per_step"] / row["trl"]["seconds_per_step"],
-                                    "memory": row["ours"]["peak_memory_gib"] / row["trl"]["peak_memory_gib"]}
+            row["ours_over_trl"] = ratio(times[algo]["ours"], times[algo]["trl"])
+            row["ours_over_trl"]["memory"] = row["ours"]["peak_memory_gib"] / row["trl"]["peak_memory_gib"]
         for side in [side for side in ("ours", "trl") if side in row and algo == "sft"]:
             row[side]["tokens_per_second"] = sizes["sft_batch"] * length / row[side]["seconds_per_step"]
             if peak:
                 row[side]["mfu"] = row[side]["tokens_per_second"] * flops_per_token(config, length) / peak
         result["runs"][algo] = row
         print(algo, json.dumps(row), flush=True)
-        json.dump(result, open(os.path.join(out, "speed_partial.json"), "w"), indent=1)  # if the run is cut short
     if not with_trl:
         result["trl"] = "skipped: --no-trl" if args.no_trl else "skipped: trl is not installed"
     result["failures"] = failures
     return result
+
+
+def timed_run(algo, side, arguments, repeat, skip, out, runs_dir, model, files, ours, timeout):
+    """One run of a speed comparison: seconds per optimizer step (the median gap after `skip`), peak memory (GiB),
+    and grpo's profile (ours, bench/profile_rl.py)."""
+    name = f"{algo}_{side}_{repeat + 1}"
+    output_dir, log = os.path.join(runs_dir, name), os.path.join(out, "logs", f"speed_{name}.log")
+    if side == "trl":
+        command = [sys.executable, "bench/trl_equivalent.py", algo.removesuffix("_static"), "--model", model, "--data",
+                   files[algo.removesuffix("_static")], "--output_dir", output_dir, *map(str, arguments)]
+        times, gib = run(command, step_file=os.path.join(output_dir, "step_times.txt"), timeout=timeout, log_file=log)
+        return seconds_per_step(times, skip), gib, None
+    profile = {"PROFILE_JSON": os.path.join(runs_dir, f"{name}_profile.json"), "PROFILE_SKIP": str(skip)}
+    profile = profile if "grpo" in algo else {}
+    try:
+        os.environ.update(profile)
+        times, gib = run(torchrun(arguments[0], arguments[1:] + ours + ["--output_dir", output_dir]),
+                         metrics_file=os.path.join(output_dir, "metrics.jsonl"), timeout=timeout, log_file=log)
+    finally:
+        for key in profile:
+            os.environ.pop(key, None)
+    found = profile and os.path.exists(profile["PROFILE_JSON"])
+    return seconds_per_step(times, skip), gib, json.load(open(profile["PROFILE_JSON"])) if found else None
+
+
+def spread(values):
+    """The median of repeated runs' seconds per step, their range, and the runs."""
+    return {"seconds_per_step": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def ratio(ours, trl):
+    """ours / TRL: the ratio of the medians and its range (the extremes of each side against the other's); measured
+    only where the two sides' ranges do not overlap, else within noise (one run a side says nothing either way)."""
+    verdict = ("ours faster" if max(ours) < min(trl) else "ours slower" if min(ours) > max(trl) else "within noise")
+    return {"time": statistics.median(ours) / statistics.median(trl), "time_range": [min(ours) / max(trl),
+            max(ours) / min(trl)], "verdict": verdict if min(len(ours), len(trl)) > 1 else "one run a side"}
 
 
 def parameter_counts(model_dir):
@@ -424,6 +465,7 @@ def grpo_breakdown(profile):
 def generation_stage(out, sizes, args):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    from decode import decode
     from grpo import generate_completions
 
     model_dir = os.path.join(out, f"model_{sizes['shape']}")
@@ -435,39 +477,50 @@ def generation_stage(out, sizes, args):
     prompts = [[rng.randrange(60, 90) for _ in range(sizes["prompt"])] for _ in range(sizes["grpo_prompts"])]
     prompts = [p for p in prompts for _ in range(sizes["grpo_generations"])]  # a rollout: each prompt G times
     new_tokens, temperature = sizes["grpo_completion"], 1.0
-    result = {"completions": len(prompts), "prompt_tokens": sizes["prompt"], "new_tokens": new_tokens, "paths": {}}
+    result = {"completions": sizes["gen_batches"], "prompt_tokens": sizes["prompt"], "new_tokens": new_tokens,
+              "paths": {}}
     failures = []
     # grpo.py's sampling: every option unset but temperature, top_k off
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=pad_id)
 
-    def timed(call, repeats):
+    def timed(call, repeats, rollout):
         times = []
         for _ in range(1 + repeats):  # the first call pays compilation, graph capture, allocation
             sync()
             start = time.perf_counter()
-            completions = call()
+            completions = call(rollout)
             sync()
             times.append(time.perf_counter() - start)
         tokens, steady = sum(len(c) for c in completions), statistics.median(times[1:] or times)
-        return {"first_call_s": times[0], "seconds": steady, "samples_per_second": len(prompts) / steady,
-                "tokens_per_second": tokens / steady}
+        bound = bandwidth_bound(model, rollout, new_tokens)
+        return {"first_call_s": times[0], "seconds": steady, "samples_per_second": len(rollout) / steady,
+                "tokens_per_second": tokens / steady, "bandwidth_bound_s": bound,
+                "share_of_bound": bound and bound / steady}
 
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device()).eval()
     dynamic, static, batch = ("generate (dynamic cache; grpo.py, ppo.py)", "generate, static cache + torch.compile",
                               "generate_batch (continuous batching)")
+    own, own_compiled = "own loop, static cache (bench/decode.py)", "own loop, compiled step + CUDA graphs"
     paths = {
-        dynamic: lambda: generate_completions(model, prompts, new_tokens, temperature, eos, pad_id),
-        static: lambda: generate_completions(model, prompts, new_tokens, temperature, eos, pad_id, "static"),
-        batch: lambda: batch_generate(model, prompts, GenerationConfig(**sampling, max_new_tokens=new_tokens)),
+        dynamic: lambda rollout: generate_completions(model, rollout, new_tokens, temperature, eos, pad_id),
+        static: lambda rollout: generate_completions(model, rollout, new_tokens, temperature, eos, pad_id, "static"),
+        batch: lambda rollout: batch_generate(model, rollout, GenerationConfig(**sampling, max_new_tokens=new_tokens)),
+        own: lambda rollout: decode(model, rollout, new_tokens, temperature, eos, pad_id),
+        own_compiled: lambda rollout: decode(model, rollout, new_tokens, temperature, eos, pad_id, compiled=True),
     }
-    for name, call in paths.items():
-        try:  # generate_batch sets up its cache and captures its graphs at every call: one call says it
-            result["paths"][name] = timed(call, 0 if name == batch else sizes["gen_repeats"])
-        except Exception as e:
-            result["paths"][name] = {"error": repr(e)[-1500:]}
-            failures.append(f"generation {name}: {e!r}"[:2000])
-        print(name, json.dumps(result["paths"][name]), flush=True)
+    if not torch.cuda.is_available():  # compiling pays on a GPU only (reduce-overhead: CUDA graphs)
+        paths.pop(own_compiled)
+    for size in sizes["gen_batches"]:  # completions a call: 64 (8 prompts x 8) and 256 of the same prompts
+        rollout = (prompts * (size // len(prompts) + 1))[:size]
+        for name, call in paths.items():
+            timings = result["paths"].setdefault(name, {"by_batch": {}})["by_batch"]
+            try:  # generate_batch sets up its cache and captures its graphs at every call: one call says it
+                timings[size] = timed(call, 0 if name == batch else sizes["gen_repeats"], rollout)
+            except Exception as e:
+                timings[size] = {"error": repr(e)[-1500:]}
+                failures.append(f"generation {name}, {size} completions: {e!r}"[:2000])
+            print(name, size, json.dumps(timings[size]), flush=True)
     del model
     # exactness, in fp32 on a small rollout: the log-probs of the sampled tokens (and for generate, the whole processed
     # distribution at every step) against log_softmax(logits / T) of one teacher-forced forward, as the scripts do
@@ -479,7 +532,11 @@ def generation_stage(out, sizes, args):
         # compiled too, on a GPU (HF compiles the decoding step of a static cache on accelerators only)
         static: lambda: scores_check(model, small, static_check, pad_id, temperature),
         batch: lambda: logprobs_check(model, small, check, pad_id, temperature),
+        own: lambda: own_check(model, small, sizes["check_tokens"], temperature, eos, pad_id, False),
+        own_compiled: lambda: own_check(model, small, sizes["check_tokens"], temperature, eos, pad_id, True),
     }
+    if not torch.cuda.is_available():
+        checks.pop(own_compiled)
     for name, call in checks.items():
         try:
             exact = call()
@@ -489,10 +546,43 @@ def generation_stage(out, sizes, args):
         exact["samples_softmax_logits_over_T"] = difference < CHECK_TOLERANCE and not exact.get("filtered")
         result["paths"].setdefault(name, {})["exactness"] = exact
         print(name, json.dumps(exact), flush=True)
-    if not result["paths"][dynamic]["exactness"]["samples_softmax_logits_over_T"]:
-        failures.append("generation: the scripts' own path does not sample from softmax(logits / T)")
+    if not all(result["paths"][name]["exactness"]["samples_softmax_logits_over_T"] for name in (dynamic, own)):
+        failures.append("generation: the scripts' path or our loop does not sample from softmax(logits / T)")
     result["failures"] = failures
     return result
+
+
+def bandwidth_bound(model, rollout, new_tokens):
+    """The seconds a GPU needs to read what decoding must read, at its memory bandwidth (H100/H200 data sheets): the
+    weights once a step, and each step the KV cache so far; None on a CPU or another GPU."""
+    rate = next((v for k, v in BANDWIDTH.items() if torch.cuda.is_available() and k in torch.cuda.get_device_name()),
+                None)
+    if rate is None:
+        return None
+    config, width = model.config, len(rollout[0])
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (
+        config.hidden_size // config.num_attention_heads) * next(model.parameters()).element_size()  # K and V
+    cache = sum(len(rollout) * per_token * (width + t) for t in range(new_tokens))
+    return (weights * new_tokens + cache) / rate
+
+
+BANDWIDTH = {"H100 PCIe": 2.0e12, "H100": 3.35e12, "H200": 4.8e12}  # bytes/s, the data sheets
+
+
+def own_check(model, prompts, new_tokens, temperature, eos, pad_id, compiled):
+    """Our loop's distribution at every step (the logits it sampled from) against the teacher-forced one, as
+    scores_check does for generate."""
+    from decode import decode
+
+    scores = []
+    completions = decode(model, prompts, new_tokens, temperature, eos, pad_id, compiled, scores)
+    reference, labels, completion_mask = teacher_forced(model, prompts, completions, pad_id, temperature)
+    sampled_from = torch.log_softmax(torch.stack(scores, 1)[:, : reference.shape[1]].float(), -1)
+    chosen = (sampled_from.gather(-1, labels[..., None]) - reference.gather(-1, labels[..., None]))[..., 0]
+    distribution = (sampled_from - reference).abs()[completion_mask].max().item()
+    return {"max_abs_logprob_difference": chosen.abs()[completion_mask].max().item(),
+            "max_abs_distribution_difference": distribution, "filtered": False}
 
 
 def cut(rows, eos):
@@ -596,8 +686,9 @@ def summarise(results):
     speed = stages.get("speed", {})
     if "runs" in speed:
         lines += ["", f"speed: {speed['model']} ({speed['parameters'] / 1e6:.1f}M parameters, random weights), one "
-                  "process", "| script | ours s/step | TRL s/step | time ours/TRL | ours GiB | TRL GiB | memory "
-                  "ours/TRL | notes |", "|---|---|---|---|---|---|---|---|"]
+                  "process; seconds a step: the median of runs alternating ours and TRL's [their range]",
+                  "| script | ours s/step | TRL s/step | time ours/TRL [range] | verdict | ours GiB | TRL GiB | memory "
+                  "ours/TRL | notes |", "|---|---|---|---|---|---|---|---|---|"]
         for algo, row in speed["runs"].items():
             ours, trl, ratio, notes = row.get("ours", {}), row.get("trl", {}), row.get("ours_over_trl", {}), []
             if "tokens_per_second" in ours:
@@ -608,22 +699,27 @@ def summarise(results):
             if "breakdown" in ours:
                 parts = ", ".join(f"{k} {v:.3f}" for k, v in ours["breakdown"].items() if k != "seconds_per_step")
                 notes.append(f"step: {parts} s")
-            cells = [ours.get("seconds_per_step"), trl.get("seconds_per_step"), ratio.get("time")]
-            cells += [ours.get("peak_memory_gib"), trl.get("peak_memory_gib"), ratio.get("memory")]
+            spans = [f"{fmt(side['seconds_per_step'])} [{fmt(side['min'])}-{fmt(side['max'])}] ({len(side['runs'])} "
+                     "runs)" if side else "-" for side in (ours, trl)]
+            cells = [*spans, f"{fmt(ratio['time'])} [{fmt(ratio['time_range'][0])}-{fmt(ratio['time_range'][1])}]"
+                     if ratio else "-", ratio.get("verdict"), ours.get("peak_memory_gib"), trl.get("peak_memory_gib"),
+                     ratio.get("memory")]
             lines.append(f"| {algo} | " + " | ".join(fmt(c) for c in cells) + f" | {'; '.join(notes)} |")
         if "trl" in speed:
             lines.append(f"TRL: {speed['trl']}")
     generation = stages.get("generation", {})
     if "paths" in generation:
-        lines += ["", f"generation: {generation['completions']} completions of {generation['new_tokens']} new tokens "
-                  f"after {generation['prompt_tokens']}-token prompts",
-                  "| path | samples/s | first call s | exact softmax(logits/T) | max logprob diff |",
-                  "|---|---|---|---|---|"]
+        lines += ["", f"generation: {generation['new_tokens']} new tokens after {generation['prompt_tokens']}-token "
+                  "prompts",
+                  "| path | completions | s | samples/s | of the bandwidth bound | first call s | exact "
+                  "softmax(logits/T) | max logprob diff |", "|---|---|---|---|---|---|---|---|"]
         for name, path in generation["paths"].items():
             exact = path.get("exactness", {})
-            cells = [path.get("samples_per_second"), path.get("first_call_s"),
-                     exact.get("samples_softmax_logits_over_T"), exact.get("max_abs_logprob_difference")]
-            lines.append(f"| {name} | " + " | ".join(fmt(c) for c in cells) + " |")
+            for size, timing in path.get("by_batch", {}).items():
+                cells = [size, timing.get("seconds"), timing.get("samples_per_second"), timing.get("share_of_bound"),
+                         timing.get("first_call_s"), exact.get("samples_softmax_logits_over_T"),
+                         exact.get("max_abs_logprob_difference")]
+                lines.append(f"| {name} | " + " | ".join(fmt(c) for c in cells) + " |")
     lines.append("")
     for name, stage in stages.items():
         lines.append(f"{name}: {'FAILED' if stage.get('failures') else 'passed'} ({stage.get('seconds', '?')} s)")

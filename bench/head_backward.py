@@ -1,7 +1,8 @@
 """The training log-probs through the output head, forward and backward: the scripts' HeadLogprobs (an autograd
-Function whose backward recomputes a chunk's softmax and forms the logits' gradient from it) at 512, 1,024 and 2,048
-rows a chunk, against autograd through checkpointed chunks of 512 rows (log_softmax then gather) and, on
-a GPU, TRL's ChunkedLogProbFunction (Triton kernels). Qwen2.5-0.5B's head (896 x 151,936), best of --repeats:
+Function whose backward recomputes a chunk's softmax and forms the logits' gradient from it, the head's gradient summed
+in fp32) at 512, 1,024 and 2,048 rows a chunk, the same with each chunk's passes compiled (torch.compile: a candidate
+for fewer passes over the logits), against autograd through checkpointed chunks of 512 rows (log_softmax then gather)
+and, on a GPU, TRL's ChunkedLogProbFunction (Triton kernels). Qwen2.5-0.5B's head (896 x 151,936), best of --repeats:
 seconds, peak memory above the inputs, and each gradient's largest error against the same computed in float32.
 Usage: python bench/head_backward.py [--device cuda --dtype bfloat16 --rows 16384] [--threads 2] [--temperature 1.0]"""
 import argparse
@@ -14,6 +15,7 @@ from torch.nn.functional import linear
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import sft  # noqa: E402
 from sft import HEAD_ROWS, HeadLogprobs  # noqa: E402
 
 
@@ -27,12 +29,50 @@ def checkpointed_chunks(hidden, weight, labels, temperature, rows=512):
 
 
 def scripts_head(rows):
-    """completion_logprobs' use of HeadLogprobs (HEAD_ROWS = `rows`): the head's weight / T, then chunks."""
+    """completion_logprobs' use of HeadLogprobs with HEAD_ROWS = `rows`: hidden / T, the chunks inside."""
     def head(hidden, weight, labels, temperature):
-        weight = weight / temperature
-        chunks = zip(hidden.split(rows), labels.split(rows))
-        return torch.cat([HeadLogprobs.apply(h, y, False, weight)[0] for h, y in chunks])
+        sft.HEAD_ROWS = rows  # read by the forward and the backward
+        return HeadLogprobs.apply(hidden / temperature, labels, False, weight)[0]
     return head
+
+
+@torch.compile
+def chunk_logprobs(hidden, weight, labels):
+    log_p = torch.nn.functional.linear(hidden, weight).log_softmax(-1, dtype=torch.float32)
+    return log_p.gather(1, labels[:, None])[:, 0]
+
+
+@torch.compile
+def chunk_gradients(hidden, weight, labels, logprobs, grad):
+    """A chunk's backward as HeadLogprobs computes it, for inductor to fuse the softmax, the one-hot and the scaling."""
+    probs = torch.nn.functional.linear(hidden, weight).softmax(-1)
+    probs = probs.scatter(1, labels[:, None], (logprobs[:, None].exp() - 1).to(probs.dtype))
+    return (probs @ weight * grad).to(hidden.dtype), probs.T @ (hidden * grad).to(probs.dtype)
+
+
+class CompiledChunks(torch.autograd.Function):
+    """HeadLogprobs' chunks (no bias, no entropy), each chunk's passes compiled."""
+
+    @staticmethod
+    def forward(ctx, hidden, labels, weight):
+        logprobs = torch.cat([chunk_logprobs(h, weight, y) for h, y in zip(hidden.split(HEAD_ROWS),
+                                                                             labels.split(HEAD_ROWS))])
+        ctx.save_for_backward(hidden, labels, logprobs, weight)
+        return logprobs
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, labels, logprobs, weight = ctx.saved_tensors
+        parts, grad_weight = [], torch.zeros_like(weight, dtype=torch.float32)
+        for h, y, lp, g in zip(*(t.split(HEAD_ROWS) for t in (hidden, labels, logprobs, -grad[:, None]))):
+            grad_hidden, chunk_weight = chunk_gradients(h, weight, y, lp, g)
+            parts.append(grad_hidden)
+            grad_weight += chunk_weight
+        return torch.cat(parts), None, grad_weight
+
+
+def compiled_head(hidden, weight, labels, temperature):
+    return CompiledChunks.apply(hidden / temperature, labels, weight)
 
 
 def trl_function(hidden, weight, labels, temperature):
@@ -78,6 +118,7 @@ if __name__ == "__main__":
     ways = {"autograd, checkpointed chunks of 512 rows (log_softmax then gather)": checkpointed_chunks}
     for rows in (512, 1024, 2048):
         ways[f"HeadLogprobs, {rows} rows a chunk"] = scripts_head(rows)
+    ways[f"HeadLogprobs' chunks of {HEAD_ROWS} rows, their passes compiled"] = compiled_head
     if gpu:
         ways["TRL 1.16 ChunkedLogProbFunction"] = trl_function
     results = {}

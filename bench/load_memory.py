@@ -40,7 +40,8 @@ if args.worker:  # under torchrun: load and shard as sft.py does, then report th
     flags = types.SimpleNamespace(trust_remote_code=False, gradient_checkpointing=False, bf16=True, cpu_offload=False,
                                   reshard_after_forward=True, shard_degree=-1)
     loaded = sft.load_pretrained(sft.AutoModelForCausalLM, model_dir, flags, "--model_name_or_path")
-    sft.shard_model(loaded[0] if isinstance(loaded, tuple) else loaded, flags, torch.device("cpu"))
+    mesh = dist.init_device_mesh("cpu", (dist.get_world_size(),))
+    sft.shard_model(loaded[0] if isinstance(loaded, tuple) else loaded, flags, mesh)
     dist.barrier()
     print(f"peak_rss_kb {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", flush=True)
     dist.destroy_process_group()

@@ -279,6 +279,8 @@ FINDINGS += [
      ["rewards/margins", "logps/chosen", "logps/rejected", "completions/mean_length"]),
 ]
 ONLY = os.environ.get("ONLY")  # the findings to run, comma-separated (default: all)
+UNKNOWN = sorted(set((ONLY or "").split(",")) - {finding[0] for finding in FINDINGS} - {""})
+ALL_NAMES = [finding[0] for finding in FINDINGS]
 FINDINGS = [finding for finding in FINDINGS if not ONLY or finding[0] in ONLY.split(",")]
 
 
@@ -289,8 +291,11 @@ def folder_name(runner, flags):
 
 
 def main():
-    if os.path.exists(OUT) and not os.path.isdir(OUT):
-        print(f"details.py: error: OUT={OUT} is a file: give a folder", file=sys.stderr)
+    problem = f"OUT={OUT} is a file: give a folder" if os.path.exists(OUT) and not os.path.isdir(OUT) else None
+    if UNKNOWN:
+        problem = f"ONLY={ONLY}: no finding {', '.join(UNKNOWN)}; the findings: {', '.join(ALL_NAMES)}"
+    if problem:
+        print(f"details.py: error: {problem}", file=sys.stderr)
         sys.exit(2)
     os.makedirs(OUT, exist_ok=True)
     start = time.time()

@@ -119,8 +119,19 @@ if __name__ == "__main__":
     parser.add_argument("--steps", nargs="+", metavar="MODEL", help="print step_counts of these models on the test "
                         "prompts of --out instead")
     args = parser.parse_args()
+    test_file, folders = os.path.join(args.out, "prompts", "test.jsonl"), args.steps or []
+    missing, problem = [f for f in folders if not os.path.isfile(os.path.join(f, "config.json"))], None
+    if missing:
+        problem = f"--steps {missing[0]}: not a model folder (no config.json)"
+    elif folders and not os.path.isfile(test_file):
+        problem = f"--out {args.out} holds no task (no prompts/test.jsonl): write it with --out alone first"
+    elif not folders and os.path.isfile(args.out):
+        problem = f"--out {args.out} is a file: give a folder"
+    if problem:  # one line, exit 2, as the scripts refuse
+        print(f"sum_task.py: error: {problem}", file=sys.stderr)
+        sys.exit(2)
     if args.steps:
-        test = [json.loads(line) for line in open(os.path.join(args.out, "prompts", "test.jsonl"))]
+        test = [json.loads(line) for line in open(test_file)]
         for folder in args.steps:
             shares = step_counts(*load_causal_lm(folder), test)
             print(folder, " ".join(f"{name} {share:.3f}" for name, share in shares.items()), flush=True)

@@ -12,7 +12,7 @@ from conftest import ROOT, script_env
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from gpu import check_run, flops_per_token, scores_check  # noqa: E402
+from gpu import check_run, flops_per_token, ratio, scores_check  # noqa: E402
 
 
 def test_dry_run_goes_through_every_stage(tmp_path):
@@ -37,17 +37,17 @@ def test_dry_run_goes_through_every_stage(tmp_path):
     names = ["sft", "reward", "dpo", "grpo", "ppo", "sft_resumed"]
     assert sorted(runs) == sorted(names) and all(run["exit"] == 0 for run in runs.values())
     assert stages["correctness"]["resume"]["max_abs_difference_resumed_vs_straight"] == 0.0
-    speed = stages["speed"]["runs"]
+    speed = stages["speed"]["runs"]  # each side run twice here, alternating (three times on a GPU)
     assert sorted(speed) == ["dpo", "grpo", "sft"] and all(
-        row["ours"]["seconds_per_step"] > 0 for row in speed.values()
+        row["ours"]["seconds_per_step"] > 0 and len(row["ours"]["runs"]) == 2 for row in speed.values()
     )
     breakdown = speed["grpo"]["ours"]["breakdown"]  # the parts of a step add up to the step
     assert sum(v for k, v in breakdown.items() if k != "seconds_per_step") == pytest.approx(
         breakdown["seconds_per_step"], rel=0.05
     )
-    paths = stages["generation"]["paths"]
-    assert len(paths) == 3 and all(path["exactness"]["samples_softmax_logits_over_T"] for path in paths.values())
-    assert all(path["samples_per_second"] > 0 for path in paths.values())
+    paths = stages["generation"]["paths"]  # on CPU no compiled step: generate's two caches, batching, our loop
+    assert len(paths) == 4 and all(path["exactness"]["samples_softmax_logits_over_T"] for path in paths.values())
+    assert all(timing["samples_per_second"] > 0 for path in paths.values() for timing in path["by_batch"].values())
     summary = open(out / "summary.md").read()
     assert "| sft | 0 |" in summary and "generate_batch (continuous batching)" in summary and "FAILED" not in summary
     assert summary in output
@@ -108,3 +108,14 @@ def test_flops_per_token_counts_every_matrix_parameter():
     )
     n = matrices + model.model.embed_tokens.weight.numel()
     assert flops_per_token(config, sequence_length=50) == 6 * n + 12 * 3 * 32 * 50
+
+
+def test_a_ratio_is_measured_only_where_the_ranges_do_not_overlap():
+    """Seconds a step of alternating runs: the ratio of the medians, its range from the extremes, and a verdict that
+    says faster or slower only when every run of one side beats every run of the other."""
+    faster = ratio([1.0, 1.1, 1.2], [1.3, 1.4, 1.35])
+    assert faster["verdict"] == "ours faster" and faster["time"] == pytest.approx(1.1 / 1.35)
+    assert faster["time_range"] == pytest.approx([1.0 / 1.4, 1.2 / 1.3])
+    assert ratio([1.5, 1.6], [1.2, 1.3])["verdict"] == "ours slower"
+    assert ratio([1.0, 1.3], [1.2, 1.4])["verdict"] == "within noise"  # one run each of 1.25 and 1.02 said nothing
+    assert ratio([1.0], [2.0])["verdict"] == "one run a side"

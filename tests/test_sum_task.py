@@ -48,3 +48,36 @@ def test_step_counts_and_count_scores_of_hand_written_completions(monkeypatch):
     assert scores[2] == {"greedy": 0.0, "sampled": 0.5, "right_length": 6.0, "wrong_length": 6.0, "wrong_excess": 0.0}
     assert scores["all"] == {"greedy": 0.5, "sampled": 0.5, "right_length": 11.0, "wrong_length": 7.0,
                              "wrong_excess": -4.0}
+
+
+def run_example(path, argv, monkeypatch, capsys, **env):
+    """An example's `__main__` in this process, as `python path argv...` would run it: its exit status and stderr."""
+    import runpy
+
+    import pytest
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", [path] + [str(a) for a in argv])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(os.path.join(ROOT, path), run_name="__main__")
+    return stopped.value.code, capsys.readouterr().err
+
+
+def test_the_examples_refuse_in_one_line(tmp_path, toy, monkeypatch, capsys):
+    """sum_task.py --steps with a model folder that is not there once gave two tracebacks (the task's test file, then
+    the tokenizer), and --out an existing file a 14-line one from save_pretrained; ONLY= a finding that does not exist
+    trained the quickstart's models for an empty report. Each is one line naming the input, exit 2."""
+    (tmp_path / "file").write_text("")
+    for argv, line in [
+        (["--out", toy, "--steps", tmp_path / "nowhere"], f"--steps {tmp_path / 'nowhere'}: not a model folder"),
+        (["--out", tmp_path / "no_task", "--steps", toy / "model"], f"--out {tmp_path / 'no_task'} holds no task"),
+        (["--out", tmp_path / "file"], f"--out {tmp_path / 'file'} is a file: give a folder"),
+    ]:
+        code, err = run_example("examples/sum_task.py", argv, monkeypatch, capsys)
+        assert code == 2 and err.startswith(f"sum_task.py: error: {line}") and err.count("\n") == 1, (argv, err)
+    code, err = run_example("examples/details.py", [], monkeypatch, capsys, ONLY="length_bias,no_such",
+                            OUT=str(tmp_path / "out"))
+    assert code == 2 and err.startswith("details.py: error: ONLY=length_bias,no_such: no finding no_such; the "
+                                        "findings: kl_estimator, adam") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
