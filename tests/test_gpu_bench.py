@@ -117,5 +117,5 @@ def test_a_ratio_is_measured_only_where_the_ranges_do_not_overlap():
     assert faster["verdict"] == "ours faster" and faster["time"] == pytest.approx(1.1 / 1.35)
     assert faster["time_range"] == pytest.approx([1.0 / 1.4, 1.2 / 1.3])
     assert ratio([1.5, 1.6], [1.2, 1.3])["verdict"] == "ours slower"
-    assert ratio([1.0, 1.3], [1.2, 1.4])["verdict"] == "within noise"  # one run each of 1.25 and 1.02 said nothing
+    assert ratio([1.0, 1.3], [1.2, 1.4])["verdict"] == "within noise"  # ranges overlap: a 1.25 or 1.02 alone is noise
     assert ratio([1.0], [2.0])["verdict"] == "one run a side"
