@@ -25,13 +25,14 @@ def toy(tmp_path_factory):
     return out
 
 
-def run_script(script, args, nproc=1, timeout=600, env=None):
+def run_script(script, args, nproc=1, timeout=600, env=None, terminate_when=None):
     """Run a top-level script as users do, `torchrun --nproc_per_node N script.py ...` (`python script.py` for one
     process), through the tests' quick launcher (launch.py: the same ranks, variables and code path, each rank a fork
-    of one process that imported the libraries once). Returns a CompletedProcess with every rank's output, kept for
-    the assertion messages."""
+    of one process that imported the libraries once; SIGTERM to every rank once `terminate_when()`). Returns a
+    CompletedProcess with every rank's output, kept for the assertion messages."""
     with tempfile.TemporaryDirectory() as logs:
-        return launch(os.path.join(ROOT, script), [str(a) for a in args], nproc, script_env(env), ROOT, logs, timeout)
+        path, args = os.path.join(ROOT, script), [str(a) for a in args]
+        return launch(path, args, nproc, script_env(env), ROOT, logs, timeout, terminate_when)
 
 
 def run_scripts(runs, timeout=600):

@@ -88,10 +88,11 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(path, args, nproc, env, cwd, logs, timeout):
+def launch(path, args, nproc, env, cwd, logs, timeout, terminate_when=None):
     """Run `path args` on `nproc` ranks (nproc 1: no distributed variables, like `python script.py`). Returns a
     CompletedProcess whose output is every rank's stdout and stderr in rank order. Like torchrun, the first rank
-    that fails ends the others (they would wait for it in a collective)."""
+    that fails ends the others (they would wait for it in a collective), and once `terminate_when()` is true every
+    rank gets SIGTERM (torchrun forwards the one it gets)."""
     ctx, port, processes = start(env), free_port(), []
     for rank in range(nproc):
         rank_env = dict(env)
@@ -110,7 +111,12 @@ def launch(path, args, nproc, env, cwd, logs, timeout):
         processes.append((process, files))
     deadline, code, failed_at = time.monotonic() + timeout, 0, None
     while any(p.is_alive() for p, _ in processes):
-        multiprocessing.connection.wait([p.sentinel for p, _ in processes if p.is_alive()], timeout=1)
+        alive = [p.sentinel for p, _ in processes if p.is_alive()]
+        multiprocessing.connection.wait(alive, timeout=1 if terminate_when is None else 0.05)
+        if terminate_when is not None and terminate_when():
+            for p, _ in processes:
+                p.terminate()  # SIGTERM
+            terminate_when = None  # once
         failed = [p.exitcode for p, _ in processes if p.exitcode not in (None, 0)]
         if failed and failed_at is None:  # the root cause: the first failure seen (lowest rank if several at once)
             code, failed_at = failed[0], time.monotonic()

@@ -9,9 +9,10 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
-from conftest import ROOT, read_metrics, script_env
+from conftest import ROOT, read_metrics, run_script, script_env
 
 FAST_STEPS = {"sft": 10, "reward": 5, "dpo": 4, "grpo": 2, "ppo": 4}  # what FAST=1 sets in examples/quickstart.sh
 
@@ -84,22 +85,31 @@ def test_quickstart_fast_mode(tmp_path, monkeypatch, capsys):
     assert "matplotlib is not installed" in capsys.readouterr().out
 
 
-def test_details_fast_mode(tmp_path, monkeypatch):
+def forked(command, cwd, stdout, stderr):
+    """details.py's subprocess.run for its `python script.py ...` runs: the script as a fork of the tests' launcher
+    (conftest.run_script; about 10 s of imports less a run), its output into the run's log."""
+    assert command[0] == sys.executable and stderr == subprocess.STDOUT, command
+    result = run_script(command[1], command[2:])
+    stdout.write(result.stdout + result.stderr)
+    return result
+
+
+def test_details_fast_mode(tmp_path, monkeypatch, capsys):
     """examples/details.py in its fast mode (FAST=1: 2 steps of each run, one seed, one process a run, two runs at a
-    time): it trains its SFT and reward models first, every run of every finding is the script with the finding's
-    own flags, and each finding gets its table rows and (with matplotlib) its figure. What the findings show is
-    measured by the full mode (README, "What the details change")."""
+    time), in this process, each run a fork (`forked`): it trains its SFT and reward models first, every run of every
+    finding is the script with the finding's own flags, and each finding gets its table rows and (with matplotlib)
+    its figure. What the findings show is measured by the full mode (README, "What the details change")."""
     out, qs, toy, sums = tmp_path / "details", tmp_path / "qs", tmp_path / "toy", tmp_path / "sums"
-    env = script_env({"FAST": "1", "OUT": str(out), "QS": str(qs), "TOY": str(toy), "SUMS": str(sums)})
-    command = [sys.executable, "examples/details.py"]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-8000:]
     for name, value in (("FAST", "1"), ("OUT", str(out)), ("QS", str(qs)), ("TOY", str(toy)), ("SUMS", str(sums))):
-        monkeypatch.setenv(name, value)  # FINDINGS (steps, paths in flags) as the fast run computed them
+        monkeypatch.setenv(name, value)  # read by details.py at import: its steps, folders and flags
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     details = importlib.reload(importlib.import_module("details"))
+    monkeypatch.setattr(details, "subprocess", types.SimpleNamespace(run=forked, STDOUT=subprocess.STDOUT))
+    details.main()
+    first = capsys.readouterr().out
 
     table = open(out / "table.md").read()
+    assert table in first
     assert read_metrics(qs / "sft")[-1]["step"] == 10 and read_metrics(qs / "reward")[-1]["step"] == 5
     assert read_metrics(out / "sums_sft")[-1]["step"] == 10  # the running-sum task's SFT model
     for finding, title, runs, metrics in details.FINDINGS:
@@ -113,5 +123,7 @@ def test_details_fast_mode(tmp_path, monkeypatch):
         if importlib.util.find_spec("matplotlib"):
             assert (out / f"{finding}.png").stat().st_size > 10_000, finding
     # a second call finds every run done: nothing runs again
-    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0 and " s\n" not in again.stdout.split("# What the details change")[0], again.stdout
+    monkeypatch.setattr(details, "subprocess", None)
+    details.main()
+    again = capsys.readouterr().out
+    assert " s\n" not in again.split("# What the details change")[0] and table.split("\n")[2] in again, again
