@@ -1,9 +1,9 @@
 """Group Relative Policy Optimization (GRPO) in one file: sample a group of completions per prompt, score them (a
 verifier and/or a reward model), use each reward relative to its group as the advantage of all the completion's
 tokens, and optimise PPO's clipped surrogate with a KL penalty to the reference model in the loss. No value model.
-Paper: arXiv:2402.03300 (DeepSeekMath, Sec. 4.1). Variants, a flag or two each (README): DAPO, Dr. GRPO, GSPO, CISPO,
-RLOO, REINFORCE++, rejection sampling (RSO), online DPO. Unlike the paper: --loss_type token (DAPO) by default;
-outcome rewards only; a group of equal rewards gets 0 advantage; rollouts do not depend on the number of processes.
+Paper: arXiv:2402.03300 (DeepSeekMath, Sec. 4.1). Variants (README): DAPO, Dr. GRPO, GSPO, CISPO, RLOO, REINFORCE++,
+rejection sampling (RSO), online DPO. Unlike the paper: --loss_type token (DAPO) by default; outcome rewards only; a
+group of equal rewards gets 0 advantage; rollouts do not depend on the number of processes.
 Run (the toy task's command: README):
       torchrun --nproc_per_node 8 grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
           --dataset_name gsm8k_prompts.jsonl --reward_fn gsm8k --max_completion_length 512 --track
@@ -173,20 +173,21 @@ class Args:
     """completions without EOS out of the loss (DAPO's overlong filtering)"""
 
     # GRPO and its variants (the README's table)
+    policy_loss: Literal["clip", "cispo", "dpo"] = "clip"
+    """clip: PPO's clipped surrogate; cispo: the clipped weight times A log pi (CISPO); dpo: online DPO (no flag
+    below but --beta)"""
+    beta: NonNegative = 0.04
+    """weight of the KL penalty in the loss (0: no reference model); online DPO's beta"""
     advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
     """how rewards become advantages"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """grpo: divide r - group mean by the std of the group, of the rollout (batch), or none (Dr. GRPO)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """a ratio pi / pi_old per token, or per completion (GSPO)"""
-    policy_loss: Literal["clip", "cispo", "dpo"] = "clip"
-    """clip: PPO's clipped surrogate; cispo: the clipped weight times A log pi (CISPO); dpo: online DPO"""
     epsilon: NonNegative = 0.2
     """pi / pi_old is clipped to [1 - epsilon, 1 + epsilon_high]"""
     epsilon_high: Optional[NonNegative] = None
     """default: epsilon (DAPO's clip-higher: 0.28)"""
-    beta: NonNegative = 0.04
-    """weight of the KL penalty in the loss (0: no reference model); online DPO's beta"""
     kl_estimator: Literal["k1", "k2", "k3", "k1_ratio"] = "k3"
     """the KL estimate in the loss; objective/kl is logged with k3"""
     loss_type: Literal["token", "sequence", "constant"] = "token"
@@ -310,7 +311,7 @@ def online_dpo_loss(logps, ref_logps, mask, normaliser, beta):
     rows (chosen, rejected), summed over pairs with both in `mask`, over `normaliser`; dpo.py's metrics."""
     logps, ref_logps = (logps * mask).sum(1).view(-1, 2), (ref_logps * mask).sum(1).view(-1, 2)
     rewards, in_loss = beta * (logps - ref_logps), mask[:, 0].view(-1, 2).prod(1) / normaliser  # no empty row
-    chosen, rejected = rewards.detach().unbind(1)
+    chosen, rejected = rewards.unbind(1)
     metrics = {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/accuracies": chosen > rejected,
                "rewards/margins": chosen - rejected, "logps/chosen": logps[:, 0], "logps/rejected": logps[:, 1]}
     loss = -F.logsigmoid(rewards[:, 0] - rewards[:, 1])
@@ -324,19 +325,15 @@ def loss_temperature(args):
 
 @torch.no_grad()
 def rollout_rewards(rollout, reward_model, tokenizer, pad_token_id, args, device):
-    """reward_fn_weight x verifier - missing_eos_penalty x (no EOS) + reward_model_weight x the reward model's score
-    (each rank its share), refused if not finite; which completions ended."""
-    texts = tokenizer.batch_decode(rollout["completions"], skip_special_tokens=True)
+    """reward_fn_weight x verifier - missing_eos_penalty x (no EOS) + reward_model_weight x the reward model's score,
+    refused if not finite; which completions ended."""
+    texts = tokenizer.batch_decode(rollout["completion"], skip_special_tokens=True)
     rewards = torch.tensor([args.reward_fn_weight * verifier_reward(t, a, args.reward_fn) if args.reward_fn else 0.0
-                            for t, a in zip(texts, rollout["answers"])], device=device)
-    ended = torch.tensor([c[-1] == tokenizer.eos_token_id for c in rollout["completions"]], device=device)
+                            for t, a in zip(texts, rollout["answer"])], device=device)
+    ended = torch.tensor([c[-1] == tokenizer.eos_token_id for c in rollout["completion"]], device=device)
     rewards -= args.missing_eos_penalty * (~ended).float()
-    scores = torch.zeros_like(rewards)
-    if reward_model is not None:  # a collective: every rank scores as many micro-batches
-        for rows, valid in rank_micro_batches(len(texts), args.local_rollout_forward_batch_size):
-            ids, mask, _ = batch_on(device, rollout["prompts"], rollout["completions"], rows, pad_token_id)
-            scores[rows] += valid * args.reward_model_weight * sequence_scores(reward_model, ids, mask)
-        dist.all_reduce(scores)
+    scores = (args.reward_model_weight * frozen_pass(reward_model, rollout, pad_token_id, args, scores=True)[:, 0]
+              if reward_model else torch.zeros_like(rewards))
     sources = [f"--reward_fn {args.reward_fn}", f"--reward_model_path {args.reward_model_path}"]
     check_rewards(torch.stack([rewards, scores], 1), sources)
     return rewards + scores, ended
@@ -344,28 +341,26 @@ def rollout_rewards(rollout, reward_model, tokenizer, pad_token_id, args, device
 
 def evaluate(model, reward_model, test, tokenizer, pad_token_id, args):
     """Mean reward of greedy completions of the test prompts (exact match: accuracy)."""
-    test = {"prompts": test["prompt"], "answers": test["answer"]}
-    test["completions"], _ = sample_rollout(model, test["prompts"], None, args, tokenizer.eos_token_id, pad_token_id)
+    test["completion"], _ = sample_rollout(model, test["prompt"], None, args, tokenizer.eos_token_id, pad_token_id)
     rewards, _ = rollout_rewards(test, reward_model, tokenizer, pad_token_id, args, next(model.parameters()).device)
     return {"eval/scores": rewards.mean().item()}
 
 
 @torch.no_grad()
-def score_rollout(model, ref_model, rollout, pad_token_id, args):
-    """The reference and old (num_iterations > 1) log-probs of a rollout: each rank its share."""
-    prompts, completions, device = rollout["prompts"], rollout["completions"], next(model.parameters()).device
-    n, width = len(prompts), args.max_completion_length
-    nets = {"ref": ref_model, "old": model if args.num_iterations > 1 else None}
-    tables = {name: torch.zeros(n, width, device=device) for name, net in nets.items() if net is not None}
-    for rows, valid in rank_micro_batches(n, args.local_rollout_forward_batch_size):
-        input_ids, attention_mask, completion_mask = batch_on(device, prompts, completions, rows, pad_token_id)
-        cols = completion_mask.shape[1]
-        for name, table in tables.items():
-            logps = completion_logprobs(nets[name], input_ids, attention_mask, cols, loss_temperature(args))
-            table[rows, :cols] += valid * logps
-    for table in tables.values():
-        dist.all_reduce(table)
-    return tables.get("ref"), tables.get("old")
+def frozen_pass(net, rollout, pad_token_id, args, scores=False):
+    """Log-probs of the completions at the loss's temperature, or (scores) a reward model's scores: each rank its
+    share, summed over ranks."""
+    device = next(net.parameters()).device
+    table = torch.zeros(len(rollout["prompt"]), 1 if scores else args.max_completion_length, device=device)
+    for rows, valid in rank_micro_batches(len(table), args.local_rollout_forward_batch_size):
+        ids, mask, completion_mask = batch_on(device, rollout["prompt"], rollout["completion"], rows, pad_token_id)
+        if scores:
+            values = sequence_scores(net, ids, mask)[:, None]
+        else:
+            values = completion_logprobs(net, ids, mask, completion_mask.shape[1], loss_temperature(args))
+        table[rows, : values.shape[1]] += valid * values
+    dist.all_reduce(table)
+    return table
 
 
 def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token_id):
@@ -373,7 +368,7 @@ def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token
     summed into `sums`."""
     device, step_loss = next(model.parameters()).device, 0.0
     for micro in micro_batches(mini, args):
-        input_ids, attention_mask, completion_mask = batch_on(device, rollout["prompts"], rollout["completions"], micro,
+        input_ids, attention_mask, completion_mask = batch_on(device, rollout["prompt"], rollout["completion"], micro,
                                                               pad_token_id)
         width = completion_mask.shape[1]
         mask, A = rollout["loss_mask"][micro, :width], rollout["advantages"][micro, None]
@@ -388,15 +383,16 @@ def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token
         loss.backward()
         step_loss += loss.detach()
         with torch.no_grad():  # sums over the loss tokens
-            kl = kl_estimate(logps, ref, old, "k3") if ref is not None else 0 * logps  # k3, whatever the loss uses
+            kl = kl_estimate(logps, ref, old, "k3") if ref is not None else 0 * logps
             token_stats = {"loss/policy_avg": policy_loss, "policy/approxkl_avg": 0.5 * (logps - old) ** 2,
                            "objective/entropy": entropy, "val/ratio": ratio, "val/ratio_squared": ratio**2,
                            "clip_ratio/low": (ratio < 1 - args.epsilon) & (A < 0) & (args.policy_loss == "clip"),
-                           "clip_ratio/high": (ratio > 1 + args.epsilon_high) & (A > 0), "objective/kl": kl}
+                           "clip_ratio/high": (ratio > 1 + args.epsilon_high) & (A > 0) & (args.policy_loss != "dpo"),
+                           "objective/kl": kl}
             for name, values in token_stats.items():
                 if values is not None:  # None: online DPO's policy loss
                     sums[name] += (values * mask).sum()
-            for name, value in pair_stats.items():  # online DPO's
+            for name, value in pair_stats.items():
                 sums[name] += value
             sums["loss"] += loss.detach()
             sums["tokens"] += mask.sum()
@@ -417,11 +413,11 @@ def window_metrics(w, steps, seconds, args):
 
 def rollout_metrics(rollout, rewards, lengths, ended, zero_std, tokenizer):
     """The rollout's statistics by metric name, and its first two completions."""
-    stats = {"objective/scores": rewards.mean(), "completions/mean_length": lengths.float().mean(),
+    stats = {"completions/mean_length": lengths.float().mean(),
              "val/num_eos_tokens": ended.sum(), "completions/clipped_ratio": 1 - ended.float().mean(),
              "frac_reward_zero_std": zero_std.float().mean()}
     samples = [["prompt", "completion", "reward", "advantage"]]
-    samples += [[tokenizer.decode(rollout["prompts"][i]), tokenizer.decode(rollout["completions"][i]),
+    samples += [[tokenizer.decode(rollout["prompt"][i]), tokenizer.decode(rollout["completion"][i]),
                  rewards[i].item(), rollout["advantages"][i].item()] for i in (0, 1)]
     return stats, samples
 
@@ -433,10 +429,11 @@ def main(args):
     N = args.num_candidates = G if args.num_candidates is None else args.num_candidates
     K = 2 if dpo else G  # a prompt's rows in the loss (online DPO: a pair)
     args.rollout_batch_size = args.batch_size * args.num_mini_batches
+    unused = [f"--{f.name}" for f in fields(Args)[-7:] if getattr(args, f.name) != f.default]  # GRPO's, after beta
+    if dpo and (unused or args.beta == 0 or args.per_device_train_batch_size % 2):
+        raise ScriptError(f"--policy_loss dpo needs --beta above 0, an even --per_device_train_batch_size and none of "
+                          f"GRPO's flags, not {args.beta}, {args.per_device_train_batch_size} and {unused}")
     args.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    if dpo and (args.beta == 0 or args.per_device_train_batch_size % 2):
-        raise ScriptError(f"--policy_loss dpo needs --beta above 0 and an even --per_device_train_batch_size, not "
-                          f"{args.beta} and {args.per_device_train_batch_size}")
     if args.rollout_batch_size % K:
         raise ScriptError(f"--num_generations {G} does not divide a rollout's {args.rollout_batch_size} completions "
                           f"({world_size} processes x --per_device_train_batch_size x --gradient_accumulation_steps x "
@@ -457,7 +454,6 @@ def main(args):
     # 3. models + FSDP2: the policy, then the frozen reference (the SFT model) and reward model
     path, flag = args.model_name_or_path, "--model_name_or_path"
     model = load_model(AutoModelForCausalLM, path, args, flag, mesh)
-    # beta 0: no KL term, no reference model
     ref_model = load_model(AutoModelForCausalLM, path, args, flag, mesh, frozen=True) if args.beta > 0 else None
     reward_model = load_reward_model(args, tokenizer, mesh) if args.reward_model_path else None
 
@@ -467,30 +463,33 @@ def main(args):
 
     # 5. training loop: a rollout, then num_iterations x num_mini_batches optimizer steps
     sums = collections.defaultdict(lambda: torch.zeros((), device=device))  # this rank's, since the last log
-    logged, window_start = start_step, time.time()
+    logged, window_start, learned = start_step, time.time(), False
     for rollout_index in range(start_step // steps_per_rollout, num_rollouts):
         rollout_start = time.time()
         # ALGO LOGIC: 1. the rollout's prompts, each N times in a row
         rows = [row for row in global_batch(rollout_index, len(train["prompt"]), args.rollout_batch_size // K,
                                             args.seed) for _ in range(N)]
-        rollout = {"prompts": [train["prompt"][row] for row in rows], "answers": [train["answer"][row] for row in rows]}
+        rollout = {name: [column[row] for row in rows] for name, column in train.items()}
 
         # 2. sample the completions (seeded by rollout and chunk)
-        rollout["completions"], lengths = sample_rollout(model, rollout["prompts"], rollout_index, args,
+        rollout["completion"], lengths = sample_rollout(model, rollout["prompt"], rollout_index, args,
                                                          tokenizer.eos_token_id, pad_token_id)
 
         # 3. the rewards; rejection sampling keeps G of N > G candidates, online DPO their best and worst
         rewards, ended = rollout_rewards(rollout, reward_model, tokenizer, pad_token_id, args, device)
-        candidate_scores = {"objective/candidate_scores": rewards.mean()} if N > G else {}
+        scores = {"objective/candidate_scores": rewards.mean()} if N > G else {}
         kept = list(range(len(rewards)))
         if N > G:  # no longer a sample of the policy: not the policy's gradient
             generator = torch.Generator().manual_seed((args.seed * 100_003 + rollout_index) * 100_003 - 1)
             kept = rejection_sample(rewards.view(-1, N).cpu(), G, args.rejection_sampling_beta, generator)
+        scores["objective/scores"] = rewards[kept].mean()  # before online DPO's pairs
         if dpo:  # chosen, rejected: the same on any number of processes
             kept = [kept[i] for i in best_and_worst(rewards[kept].view(-1, G).cpu())]
         rollout = {name: [column[i] for i in kept] for name, column in rollout.items()}
         rewards, lengths, ended = rewards[kept], lengths[kept], ended[kept]
-        rollout["ref_logps"], rollout["old_logps"] = score_rollout(model, ref_model, rollout, pad_token_id, args)
+        # the reference's and (num_iterations > 1) the old policy's log-probs
+        rollout["ref_logps"] = frozen_pass(ref_model, rollout, pad_token_id, args) if ref_model else None
+        rollout["old_logps"] = frozen_pass(model, rollout, pad_token_id, args) if args.num_iterations > 1 else None
 
         # 4. the tokens in the loss, and the advantages
         rollout["loss_mask"] = (torch.arange(args.max_completion_length, device=device) < lengths[:, None]).float()
@@ -499,13 +498,14 @@ def main(args):
         rollout["advantages"], zero_std = group_advantages(rewards, rollout["loss_mask"].sum(1), K, args)
         if dpo:  # equal rewards: no preference
             rollout["loss_mask"] *= ~zero_std.repeat_interleave(2)[:, None]
+        learned |= bool((rollout["advantages"][:, None] * rollout["loss_mask"]).any())
         stats, samples = rollout_metrics(rollout, rewards, lengths, ended, zero_std, tokenizer)
-        stats |= candidate_scores | {"time/rollout": time.time() - rollout_start}
+        stats |= scores | {"time/rollout": time.time() - rollout_start}
 
         # 5. num_iterations passes over the rollout, each in num_mini_batches optimizer steps
         for k, mini in enumerate(rollout_mini_batches(rollout_index, args.num_iterations, args, K if dpo else 1)):
             update_start = time.time()
-            normaliser = loss_normaliser(rollout["loss_mask"][mini], args)  # counted over the global mini-batch
+            normaliser = loss_normaliser(rollout["loss_mask"][mini], args)
             step_loss = accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token_id)
             step = rollout_index * steps_per_rollout + k + 1
             lr, grad_norm, stop = optimizer_step(model, optimizer, scheduler, step_loss, step, args)
@@ -520,8 +520,11 @@ def main(args):
                 metrics |= window_metrics(reduce_sums(sums), step - logged, time.time() - window_start, args)
                 if is_due(step, args.eval_every, args) and test:
                     metrics.update(evaluate(model, reward_model, test, tokenizer, pad_token_id, args))
+                if not learned and rank == 0:
+                    print(f"steps {logged + 1}-{step}: no advantage or pair in the loss (equal rewards, or masked)")
                 log_metrics(metrics, metrics_path, args, progress, samples)
                 sums, logged, window_start = collections.defaultdict(sums.default_factory), step, time.time()
+                learned = False
             if (args.save_every > 0 and step % args.save_every == 0) or (stop and step % steps_per_rollout == 0):
                 save_checkpoint(model, optimizer, scheduler, step, args, state, stop)
 

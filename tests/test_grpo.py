@@ -4,6 +4,7 @@ sampled from, left padding, EOS, parameters gathered once), and the script run t
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import json
 import math
@@ -21,6 +22,7 @@ from grpo import (
     accumulate_gradients,
     best_and_worst,
     completion_logprobs,
+    frozen_pass,
     generate_completions,
     grpo_loss,
     group_advantages,
@@ -30,7 +32,6 @@ from grpo import (
     online_dpo_loss,
     parse_answer,
     rejection_sample,
-    score_rollout,
     shard_model,
     tokenize_prompts,
     unsharded,
@@ -331,14 +332,16 @@ def test_online_dpo_loss_and_gradient_equal_trls():
 
 
 def test_online_dpo_log_probs_at_temperature_1_whatever_the_sampling_one():
-    """Sampling at T = 0.5, the reference and old log-probs (score_rollout) and the loss's (accumulate_gradients) are
-    log_softmax(logits) in online DPO, as in DPO and TRL's OnlineDPOTrainer; GRPO's are log_softmax(logits / T)."""
+    """Sampling at T = 0.5, the reference and old log-probs (frozen_pass) and the loss's (accumulate_gradients) are
+    log_softmax(logits) in online DPO, as in DPO and TRL's OnlineDPOTrainer; GRPO's are log_softmax(logits / T). No
+    token counts as clipped in online DPO, whose loss clips nothing (pi / pi_old at e^0.5 on the chosen rows once put
+    their 5 of the 9 tokens in clip_ratio/high), while the ratio's own metrics stay."""
     policy, ref_model = tiny_gpt2(), tiny_gpt2()
     with torch.no_grad():
         for p in ref_model.parameters():
             p.add_(0.1 * torch.randn_like(p))
     prompts, completions = [[1, 2, 3], [4, 5], [6], [7, 8]], [[9, 10, 11], [12], [13, 14], [15, 16, 17]]
-    rollout = {"prompts": prompts, "completions": completions}
+    rollout = {"prompt": prompts, "completion": completions}
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         args = loss_args(policy_loss="dpo", beta=0.1, temperature=0.5, max_completion_length=3, num_iterations=2,
@@ -349,12 +352,12 @@ def test_online_dpo_log_probs_at_temperature_1_whatever_the_sampling_one():
               for t in (1.0, 0.5)}
         for policy_loss, t in (("dpo", 1.0), ("clip", 0.5)):
             args.policy_loss = policy_loss
-            ref_logps, old_logps = score_rollout(policy, ref_model, rollout, 0, args)
+            ref_logps, old_logps = frozen_pass(ref_model, rollout, 0, args), frozen_pass(policy, rollout, 0, args)
             torch.testing.assert_close(ref_logps * completion_mask, at[ref_model, t] * completion_mask)
             torch.testing.assert_close(old_logps * completion_mask, at[policy, t] * completion_mask)
         args.policy_loss = "dpo"
-        rollout |= {"ref_logps": at[ref_model, 1.0], "old_logps": None, "loss_mask": completion_mask,
-                    "advantages": torch.zeros(4)}
+        rollout |= {"ref_logps": at[ref_model, 1.0], "old_logps": at[policy, 1.0] - 0.5, "loss_mask": completion_mask,
+                    "advantages": torch.tensor([1.0, -1.0, 1.0, -1.0])}  # the chosen rows: A > 0
         sums = collections.defaultdict(lambda: torch.zeros(()))
         loss = accumulate_gradients(policy, rollout, [0, 1, 2, 3], 2, args, sums, 0)
         want = online_dpo_loss(at[policy, 1.0], at[ref_model, 1.0], completion_mask, 2, 0.1)[0]
@@ -363,6 +366,9 @@ def test_online_dpo_log_probs_at_temperature_1_whatever_the_sampling_one():
         assert abs(at_sampling_temperature.item() - want.item()) > 1e-4
         chosen = (at[policy, 1.0] * completion_mask).sum(1)[0::2]  # dpo.py's metrics: a mean over the pairs
         assert sums["logps/chosen"].item() == pytest.approx(chosen.mean().item(), rel=1e-5)
+        ratio = math.exp(0.5) * completion_mask.sum()  # summed over the loss tokens
+        assert sums["clip_ratio/high"] == 0 and sums["clip_ratio/low"] == 0
+        assert sums["val/ratio"].item() == pytest.approx(ratio.item(), rel=1e-5)
     finally:
         dist.destroy_process_group()
 
@@ -663,9 +669,14 @@ def test_bad_input(toy, tmp_path):
         (toy / "prompts", ["--num_candidates", 4], "--num_candidates 4, --num_generations 8: rejection sampling needs"),
         (toy / "prompts", ["--num_candidates", 16], "needs --num_candidates above G and --rejection_sampling_beta"),
         (toy / "prompts", ["--rejection_sampling_beta", 1], "rejection sampling needs --num_candidates above G"),
-        # online DPO: DPO's beta, and micro-batches of whole pairs
+        # online DPO: DPO's beta, micro-batches of whole pairs, and none of GRPO's flags (each was once ignored)
         (toy / "prompts", ["--policy_loss", "dpo", "--beta", 0], "--policy_loss dpo needs --beta above 0"),
-        (toy / "prompts", ["--policy_loss", "dpo", "--per_device_train_batch_size", 3], "not 0.04 and 3"),
+        (toy / "prompts", ["--policy_loss", "dpo", "--per_device_train_batch_size", 3], "not 0.04, 3 and []"),
+        (toy / "prompts", ["--policy_loss", "dpo", "--loss_type", "sequence", "--epsilon", 0.3, "--epsilon_high", 0.28],
+         "none of GRPO's flags, not 0.04, 16 and ['--epsilon', '--epsilon_high', '--loss_type']"),
+        (toy / "prompts", ["--policy_loss", "dpo", "--advantage_estimator", "rloo", "--scale_rewards", "none",
+                           "--importance_sampling_level", "sequence", "--kl_estimator", "k1"],
+         "and ['--advantage_estimator', '--scale_rewards', '--importance_sampling_level', '--kl_estimator']"),
     ]:
         error, _ = run_in_process("grpo.py", grpo_args(toy / "model", data, tmp_path / "out", *extra))
         assert isinstance(error, ValueError) and message in str(error), (message, repr(error))
@@ -728,7 +739,8 @@ def test_conversational_prompts_gradient_checkpointing_and_tracking(toy, sft_mod
 
 def test_reward_model_scores(toy, tmp_path):
     """A reward model folder whose head is zero and whose config.score_bias is 0.75 (reward.py's normalisation):
-    every completion scores exactly 0.75 x reward_model_weight, so every group has zero std and zero advantage."""
+    every completion scores exactly 0.75 x reward_model_weight, so every group has zero std and zero advantage, and
+    each logged window says that nothing but the KL term trained (such a run once ended without a word)."""
     rm = AutoModelForSequenceClassification.from_pretrained(toy / "model", num_labels=1)
     torch.nn.init.zeros_(rm.score.weight)
     rm.config.score_bias = 0.75
@@ -760,6 +772,40 @@ def test_reward_model_scores(toy, tmp_path):
         1.0,
     ]
     assert rows[-1]["eval/scores"] == 1.5 and rows[0]["loss/policy_avg"] == 0.0
+    for window in ("1-1", "2-2"):
+        assert f"steps {window}: no advantage or pair in the loss (equal rewards, or masked)\n" in result.stdout
+
+
+def test_online_dpo_logs_the_mean_reward_of_what_it_samples(toy, sft_model, tmp_path):
+    """objective/scores is the mean reward of the G completions of each prompt in online DPO as in GRPO: from the SFT
+    model the same first rollout (4 prompts x 4 samples, seeded alike) gives both the same figure (online DPO's was
+    once the mean of each group's best and worst), and frac_reward_zero_std (online DPO: no pair); no window says
+    that nothing trained."""
+    flags = {"clip": ["--per_device_train_batch_size", 16], "dpo": ["--per_device_train_batch_size", 8, "--beta", 0.1]}
+    runs = [("grpo.py", grpo_args(sft_model[0], toy / "prompts", tmp_path / loss, "--policy_loss", loss, *extra,
+                                  "--num_generations", 4, "--max_steps", 1, "--dataset_test_split", "none"), 1)
+            for loss, extra in flags.items()]
+    for result in run_scripts(runs):
+        assert result.returncode == 0 and "no advantage" not in result.stdout, result.stdout[-2000:] + result.stderr
+    grpo, dpo = (read_metrics(tmp_path / loss)[0] for loss in flags)
+    print({name: (grpo[name], dpo[name]) for name in ("objective/scores", "frac_reward_zero_std")})
+    assert 0 < dpo["objective/scores"] == grpo["objective/scores"] < 1
+    assert dpo["frac_reward_zero_std"] == grpo["frac_reward_zero_std"] < 1
+
+
+def test_help_says_online_dpo_takes_beta_alone_of_grpos_flags(capsys):
+    """--help says which flags online DPO takes: of the GRPO section, --beta alone; the flags after it (the last 7 of
+    Args, which main refuses under --policy_loss dpo) are GRPO's."""
+    import grpo
+    import tyro
+
+    names = [field.name for field in dataclasses.fields(grpo.Args)]
+    assert names[-9:-7] == ["policy_loss", "beta"] and names[-7:] == ["advantage_estimator", "scale_rewards",
+                                                                      "importance_sampling_level", "epsilon",
+                                                                      "epsilon_high", "kl_estimator", "loss_type"]
+    with pytest.raises(SystemExit):
+        tyro.cli(grpo.Args, args=["--help"])
+    assert "dpo: online DPO (no flag below but --beta)" in " ".join(capsys.readouterr().out.split())
 
 
 def test_grpo_raises_exact_match(toy, sft_model, tmp_path):
