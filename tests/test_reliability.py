@@ -735,15 +735,21 @@ def test_a_config_that_does_not_match_its_weights_names_the_tensor(toy, tmp_path
 def test_help_piped_into_head_and_an_output_folder_that_is_a_file_are_quiet(tmp_path):
     """`python sft.py --help | head -5` once ended in a 17-line BrokenPipeError traceback, exit 1; examples/details.py
     given OUT=<a file> in a bare FileExistsError. Now nothing after head's lines, and one line with exit status 2."""
-    piped = subprocess.run(f"{sys.executable} sft.py --help | head -5", shell=True, cwd=ROOT, env=script_env(),
-                           capture_output=True, text=True, timeout=300)  # every script ends as sft.py does
-    assert len(piped.stdout.splitlines()) == 5 and piped.stderr == "", piped.stderr[-3000:]
     (tmp_path / "file").write_text("")
-    details = subprocess.run([sys.executable, "examples/details.py"], cwd=ROOT, capture_output=True, text=True,
-                             env=script_env({"FAST": "1", "OUT": str(tmp_path / "file")}), timeout=300)
+    piped, details = at_once([f"{sys.executable} sft.py --help | head -5",  # every script ends as sft.py does
+                              [sys.executable, "examples/details.py"]], {"FAST": "1", "OUT": str(tmp_path / "file")})
+    assert len(piped.stdout.splitlines()) == 5 and piped.stderr == "", piped.stderr[-3000:]
     assert (details.returncode, details.stderr.strip()) == (
         2, f"details.py: error: OUT={tmp_path / 'file'} is a file: give a folder"
     )
+
+
+def at_once(commands, env=None):
+    """Run the commands (a string: through the shell) side by side from ROOT; their CompletedProcesses, in order."""
+    processes = [subprocess.Popen(c, shell=isinstance(c, str), cwd=ROOT, env=script_env(env), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for c in commands]
+    outputs = [p.communicate(timeout=300) for p in processes]  # each read to its end: no pipe fills up
+    return [subprocess.CompletedProcess(p.args, p.returncode, *output) for p, output in zip(processes, outputs)]
 
 
 def test_a_damaged_weights_file_names_the_flag(toy, scored_model, tmp_path):
@@ -852,14 +858,11 @@ def test_a_refusal_is_one_line_from_one_process_and_exit_status_2(toy, tmp_path)
             "--per_device_train_batch_size", "0"]
     line = "sft.py: error: --per_device_train_batch_size 0: must be at least 1"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    torchrun = subprocess.run(launcher + [str(a) for a in args], cwd=ROOT, env=script_env(), capture_output=True,
-                              text=True, timeout=300)
+    torchrun, plain = at_once([launcher + [str(a) for a in args], [sys.executable] + [str(a) for a in args]])
     output = torchrun.stdout + torchrun.stderr
     workers = output.split("failed (exitcode")[0]  # what the scripts printed, before torchrun's report
     assert output.count(line) == 1 and "Traceback" not in workers.replace(line, ""), output[-3000:]
     assert torchrun.returncode != 0 and output.count("exitcode  : 2") == 2, output[-3000:]
-    plain = subprocess.run([sys.executable] + [str(a) for a in args], cwd=ROOT, env=script_env(), capture_output=True,
-                           text=True, timeout=300)
     assert (plain.returncode, plain.stderr.strip()) == (2, line), plain.stderr[-3000:]
 
 
