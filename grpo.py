@@ -216,10 +216,10 @@ def verifier_reward(completion, answer, reward_fn):
 def group_advantages(rewards, num_tokens, group_size, args):
     """A completion's advantage for all its tokens (Sec. 4.1.2 of arXiv:2402.03300), groups of consecutive rows. grpo:
     (r - group mean) / (std + 1e-4), std of the group, the rollout (batch) or none (Dr. GRPO); rloo: r - the others'
-    mean (arXiv:2402.14740); both 0 for equal rewards. reinforce_plus_plus: r whitened over the rollout's tokens
-    (arXiv:2501.03262); _baseline: r - group mean, whitened. Also which groups are equal."""
+    mean (arXiv:2402.14740); both 0 for equal rewards (within 1e-5). reinforce_plus_plus: r whitened over the
+    rollout's tokens (arXiv:2501.03262); _baseline: r - group mean, whitened. Also which groups are equal."""
     groups = rewards.view(-1, group_size)
-    zero_std = groups.max(1).values == groups.min(1).values
+    zero_std = groups.max(1).values - groups.min(1).values < 1e-5
     advantages = groups - groups.mean(1, keepdim=True)
     if args.advantage_estimator.startswith("reinforce_plus_plus"):
         x = (rewards if args.advantage_estimator == "reinforce_plus_plus" else advantages.flatten()).double()
@@ -482,7 +482,7 @@ def main(args):
         if N > G:  # no longer a sample of the policy: not the policy's gradient
             generator = torch.Generator().manual_seed((args.seed * 100_003 + rollout_index) * 100_003 - 1)
             kept = rejection_sample(rewards.view(-1, N).cpu(), G, args.rejection_sampling_beta, generator)
-        scores["objective/scores"] = rewards[kept].mean()  # before online DPO's pairs
+        scores["objective/scores"] = rewards[kept].mean()  # before the pairs
         if dpo:  # chosen, rejected: the same on any number of processes
             kept = [kept[i] for i in best_and_worst(rewards[kept].view(-1, G).cpu())]
         rollout = {name: [column[i] for i in kept] for name, column in rollout.items()}

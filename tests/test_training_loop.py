@@ -66,8 +66,9 @@ PPO = [
     4,
 ]
 RL = {"grpo.py": GRPO, "ppo.py": PPO}
-# online DPO in grpo.py: the same rollouts, each group's best and worst completion a pair (8 pairs a rollout); a
-# micro-batch holds whole pairs, so (2, 2, 2) stands in for (2, 1, 4)
+# online DPO in grpo.py: the same rollouts, each group's best and worst completion a pair (8 pairs a rollout), by the
+# verifier plus a reward model (its scores shared out over the ranks); a micro-batch holds whole pairs, so (2, 2, 2)
+# stands in for (2, 1, 4)
 ONLINE_DPO = "grpo.py --policy_loss dpo"
 UNTIMED = lambda rows: [
     {k: v for k, v in r.items() if k != "tokens_per_second" and not k.startswith("time/")} for r in rows
@@ -106,7 +107,8 @@ def split_runs(request, toy, tmp_path_factory):
     folder, the runs by split and the arguments every run of it adds."""
     script, *extra = request.param.split(" ")
     model = request.getfixturevalue("sft_model")[0] if script in RL else toy / "model"
-    extra += ["--reward_model_path", request.getfixturevalue("reward_model")[0]] if script == "ppo.py" else []
+    with_reward_model = script == "ppo.py" or request.param == ONLINE_DPO
+    extra += ["--reward_model_path", request.getfixturevalue("reward_model")[0]] if with_reward_model else []
     splits = [(1, 8, 1), (2, 4, 1), (2, 2, 2)] if request.param == ONLINE_DPO else SPLITS
     root = tmp_path_factory.mktemp(script[:-3])
     rows = open(toy / DATA[script] / "train.jsonl").readlines()
