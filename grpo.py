@@ -174,8 +174,8 @@ class Args:
 
     # GRPO and its variants (the README's table)
     policy_loss: Literal["clip", "cispo", "dpo"] = "clip"
-    """clip: PPO's clipped surrogate; cispo: the clipped weight times A log pi (CISPO); dpo: online DPO (no flag
-    below but --beta)"""
+    """clip: PPO's clipped surrogate; cispo: the clipped weight times A log pi (CISPO);
+    dpo: online DPO (no flag below but --beta)"""
     beta: NonNegative = 0.04
     """weight of the KL penalty in the loss (0: no reference model); online DPO's beta"""
     advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
