@@ -94,6 +94,8 @@ def forked(command, cwd, stdout, stderr):
     return result
 
 
+# scoring a checkpoint (DCP, one process, no process group) warns that it loads in a single process: meant so
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_details_fast_mode(tmp_path, monkeypatch, capsys):
     """examples/details.py in its fast mode (FAST=1: 2 steps of each run, one seed, one process a run, two runs at a
     time), in this process, each run a fork (`forked`): it trains its SFT and reward models first, every run of every
