@@ -1,7 +1,7 @@
 """What each detail changes, measured on the offline toy tasks. Every run is one of the scripts with its own flags:
 this file only picks the flags, reads each run's metrics.jsonl, scores the final models and draws.
 
-    python examples/details.py          # about 3.5 hours on 2 CPU cores: runs/details/*.png and table.md
+    python examples/details.py          # about 4 hours on 2 CPU cores: runs/details/*.png and table.md
     FAST=1 python examples/details.py   # 2 steps of each run, one seed, one process (what a test runs)
 
 It starts from the quickstart's SFT and reward models (QS, default runs/quickstart: sft/ and reward/), training them
@@ -15,6 +15,7 @@ sums, written when missing by examples/sum_task.py).
 
 import functools
 import json
+import math
 import os
 import random
 import shlex
@@ -76,6 +77,9 @@ def base_models():
     run("reward.py", f"{QS}/reward", *f"--model_name_or_path {QS}/sft --dataset_name {TOY}/preference "
         f"--learning_rate 3e-4 --num_train_epochs 2 --max_steps {steps(-1, 5)} {common}".split())
     write_slips()
+    if any(WEAK_RM in map(str, runs[0][2]) for _, _, runs, _ in FINDINGS):  # a reward model of 256 pairs (8 steps)
+        run("reward.py", WEAK_RM, *f"--model_name_or_path {QS}/sft --dataset_name {TOY}/preference "
+            f"--learning_rate 3e-4 --max_steps {steps(8)} {common}".split())
     if any(f"{SUMS}/prompts" in runs[0][2] for _, _, runs, _ in FINDINGS):  # the running-sum task, its SFT model
         if not os.path.exists(os.path.join(SUMS, "model")):
             write_sum_task(SUMS, num_train=512 if FAST else 8000, num_test=30 if FAST else 300)
@@ -121,6 +125,10 @@ def ppo(name, seed, *flags):
                f"--num_ppo_epochs 2 --num_mini_batches 2 --per_device_train_batch_size {MB} "
                "--gradient_accumulation_steps 4 --max_completion_length 10 --local_rollout_forward_batch_size 128 "
                f"--log_every 1 --seed {seed}".split(), *flags)
+
+
+def read_rows(folder):
+    return [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
 
 
 def toy_test_rows():
@@ -193,7 +201,17 @@ def score_run(runner, name, seed, sums):
     """A run's final scores, its learning curve and the extra panels of its figure."""
     if sums:
         return sums_curve(name, seed)
-    return (*exact_match(name, seed), {}) if runner is not ppo else (None, [], {})
+    if runner is ppo and not os.path.isdir(f"{OUT}/{name}_s{seed}/checkpoints"):  # ppo's first steps: no curve
+        return None, [], {}
+    return (*exact_match(name, seed), {})
+
+
+def exploits(name, seed, count=3):
+    """Up to `count` (prompt, greedy answer) of a run's final model that the verifier calls wrong."""
+    model, tok = load_causal_lm(f"{OUT}/{name}_s{seed}")
+    rows = toy_test_rows()
+    answers = completions_of(model, tok, [r["prompt"] for r in rows])
+    return [(r["prompt"], a) for a, r in zip(answers, rows) if a != r["answer"]][:count]
 
 
 # Each finding: (its name, a title that reads alone, the runs as (label, runner, flags), the metrics to draw, what
@@ -246,6 +264,31 @@ FINDINGS = [
      ["rewards/margins", "logps/chosen", "logps/rejected"]),
 ]
 
+# reward over-optimisation: GRPO and PPO on a reward model alone (the quickstart's, or WEAK_RM of 256 pairs), 60 steps,
+# the verifier's exact match (gold) at a checkpoint every 10 (PPO: 12, a multiple of its 4 steps a rollout) against
+# the reward model's score of the same greedy answers (eval/scores, the proxy) and the KL from the SFT model
+# (objective/kl; GRPO's beta 1e-6 logs it with no KL term to speak of); PPO also at 6 times the quickstart's learning
+# rate (at 5e-5 its 60 steps barely leave the SFT model)
+WEAK_RM = f"{OUT}/reward_weak"
+GRPO_PROXY = ["--reward_fn", "None", "--max_steps", steps(60), "--save_every", steps(10, 1), "--eval_every",
+              steps(10, 1), "--per_device_eval_batch_size", 100]
+PPO_PROXY = ["--max_steps", steps(60, 4), "--save_every", steps(12, 4), "--eval_every", steps(12, 4),
+             "--per_device_eval_batch_size", 100]
+STRONG, WEAK = ["--reward_model_path", f"{QS}/reward"], ["--reward_model_path", WEAK_RM]
+FINDINGS += [
+    ("overoptimisation", "GRPO and PPO on a reward model alone: its score (proxy) against the verifier's exact match "
+     "(gold) and the KL from the SFT model",
+     [*[(f"GRPO, weak reward model, beta {beta}", grpo, [*GRPO_PROXY, *WEAK, "--beta", beta])
+        for beta in (1e-6, 0.04, 0.2)],
+      ("GRPO, weak reward model, beta 0.2, k1", grpo, [*GRPO_PROXY, *WEAK, "--beta", 0.2, "--kl_estimator", "k1"]),
+      *[(f"GRPO, quickstart's reward model, beta {beta}", grpo, [*GRPO_PROXY, *STRONG, "--beta", beta])
+        for beta in (1e-6, 0.2)],
+      *[(f"PPO, weak reward model, kl_coef {c}", ppo, [*PPO_PROXY, *WEAK, "--kl_coef", c]) for c in (0.0, 0.2)],
+      ("PPO, quickstart's reward model, kl_coef 0.0", ppo, [*PPO_PROXY, *STRONG, "--kl_coef", 0.0]),
+      *[(f"PPO, weak reward model, kl_coef {c}, lr 3e-4", ppo, [*PPO_PROXY, *WEAK, "--kl_coef", c, "--learning_rate",
+                                                              3e-4]) for c in (0.0, 0.2)]],
+     ["eval/scores", "objective/kl"]),
+]
 
 # the running-sum task (examples/sum_task.py): grpo()'s flags but these, from its SFT model, 100 steps, a checkpoint
 # every 50 (scored by count of numbers: sums_curve), completions up to 64 tokens (FAST: 16)
@@ -317,6 +360,9 @@ def main():
             for seed in SEEDS:
                 rows = runner(name, seed, *flags)
                 em, curve, panels = score_run(runner, name, seed, sums)
+                if finding == "overoptimisation":  # gold against the KL logged at the same step
+                    kl = {0: 0.0} | {r["step"]: r["objective/kl"] for r in rows}
+                    panels = {"exact match against objective/kl": [(kl[step], v) for step, v in curve]}
                 results[finding].setdefault(label, []).append({"rows": rows, "exact_match": em, "curve": curve,
                                                                "panels": panels})
                 last = " | ".join(f"{rows[-1][m]:.4g}" if m in rows[-1] else "-" for m in metrics)
@@ -333,6 +379,13 @@ def main():
             by_count = [f"{key} " + " / ".join(f"{w:.2f}" for _, w in points) for key, points in weights.items()]
             table += ["", "Mean |advantage| of the SFT model's 8 samples a test prompt, by count 2 / 3 / 4 / 5 / 6: "
                       + "; ".join(by_count)]
+        if finding == "overoptimisation":  # the reward models' quality, and what each policy answers wrong (seed 1)
+            accuracy = {path: read_rows(path)[-1].get("eval/accuracy", math.nan) for path in (f"{QS}/reward", WEAK_RM)}
+            table += ["", "Test pair accuracy: the quickstart's reward model {:.3f}, the weak one {:.3f}. Wrong greedy "
+                      "answers at the last step, seed 1:".format(*accuracy.values()), ""]
+            for label, runner, flags in runs:
+                wrong = exploits(folder_name(runner, flags), SEEDS[0])
+                table.append(f"- {label}: " + ("; ".join(f"{p!r} -> {a!r}" for p, a in wrong) or "none"))
         table.append("")
         draw(finding, title, results[finding], metrics, sums, weights)
     seconds = time.time() - start
@@ -376,7 +429,8 @@ def draw(finding, title, runs, metrics, sums, weights=None):
             ax.plot(*zip(*points), color=colours[label], alpha=0.85 if k == 0 else 0.45, marker="." if len(points) < 8
                     else None, label=label if k == 0 else None)
         ax.set_title(panel, fontsize=9)
-        ax.set_xlabel("numbers in the prompt" if "by count" in panel else "optimizer step")
+        ax.set_xlabel("numbers in the prompt" if "by count" in panel else "objective/kl" if "against objective/kl" in
+                      panel else "optimizer step")
         if panel in (legend, *list(lines)[len(panels) :]):
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(lines) :]:

@@ -114,6 +114,9 @@ def test_details_fast_mode(tmp_path, monkeypatch, capsys):
     assert table in first
     assert read_metrics(qs / "sft")[-1]["step"] == 10 and read_metrics(qs / "reward")[-1]["step"] == 5
     assert read_metrics(out / "sums_sft")[-1]["step"] == 10  # the running-sum task's SFT model
+    assert read_metrics(out / "reward_weak")[-1]["step"] == 2  # the over-optimisation finding's weak reward model
+    assert "Test pair accuracy: the quickstart's reward model" in table
+    assert "- PPO, weak reward model, kl_coef 0.2: " in table  # the wrong answers of each run's final model
     for finding, title, runs, metrics in details.FINDINGS:
         section = table.split(f"## {title}\n")[1].split("\n## ")[0]
         for label, runner, flags in runs:
