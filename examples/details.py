@@ -64,7 +64,7 @@ def run(script, folder, *flags):
         open(stamp, "w").write(shlex.join(command))
         open(os.path.join(folder, "seconds.txt"), "w").write(f"{time.time() - start:.1f}")
         print(f"{os.path.relpath(folder, OUT)}: {time.time() - start:.0f} s", flush=True)
-    return [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+    return read_rows(folder)
 
 
 def base_models():
@@ -172,7 +172,7 @@ def sums_curve(name, seed):
     folder, rows = f"{OUT}/{name}_s{seed}", sums_rows()
     score = lambda model, tok, rows: count_scores(model, tok, rows, NUM_SAMPLES)
     points = learning_curve(*load_causal_lm(folder), folder, rows, (0, sums_sft_scores()), score)
-    last_step = json.loads(open(f"{folder}/metrics.jsonl").readlines()[-1])["step"]
+    last_step = read_rows(folder)[-1]["step"]
     final = points[-1][1] if points[-1][0] == last_step else score(*load_causal_lm(folder), rows)  # scored once
     panels = {title: [(step, s["all"][key]) for step, s in points] for title, key in
               (("wrong samples: mean length (characters)", "wrong_length"),
