@@ -1,10 +1,10 @@
 """Group Relative Policy Optimization (GRPO) in one file: sample a group of completions per prompt, score them (a
-verifier and/or a reward model), use each reward relative to its group as the advantage of all the completion's
+verifier and/or a reward model), take each reward relative to its group as the advantage of all its completion's
 tokens, and optimise PPO's clipped surrogate with a KL penalty to the reference model in the loss. No value model.
 Paper: arXiv:2402.03300 (DeepSeekMath, Sec. 4.1). Variants (README): DAPO, Dr. GRPO, GSPO, CISPO, RLOO, REINFORCE++,
 rejection sampling (RSO), online DPO. Unlike the paper: --loss_type token (DAPO) by default; outcome rewards only; a
 group of equal rewards gets 0 advantage; rollouts do not depend on the number of processes.
-Run (the toy task's command: README):
+Run (the toy task's: README):
       torchrun --nproc_per_node 8 grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
           --dataset_name gsm8k_prompts.jsonl --reward_fn gsm8k --max_completion_length 512 --track
 """
@@ -154,7 +154,7 @@ class Args:
     temperature: Positive = 1.0
     """sampling temperature (log-probs from logits / T; online DPO's at 1)"""
     cache_implementation: Resumable[Literal["dynamic", "static"]] = "dynamic"
-    """generation's KV cache (static: compiled on a GPU, faster after the first rollout)"""
+    """generation's KV cache (static: compiled on a GPU, faster from the second rollout)"""
     reward_fn: Optional[Literal["exact_match", "last_number", "gsm8k"]] = "exact_match"
     """the verifier against the answer column (None: none)"""
     prompt_column: str = "prompt"
@@ -171,17 +171,19 @@ class Args:
     """subtracted from the reward of a completion without EOS"""
     mask_truncated_completions: bool = False
     """completions without EOS out of the loss (DAPO's overlong filtering)"""
+    dynamic_sampling: AtLeast1 = 1
+    """DAPO's dynamic sampling: up to this many rounds of prompts a rollout, keeping groups whose outcome varies"""
 
     # GRPO and its variants (the README's table)
     policy_loss: Literal["clip", "cispo", "dpo"] = "clip"
-    """clip: PPO's clipped surrogate; cispo: the clipped weight times A log pi (CISPO);
+    """clip: PPO's clipped surrogate; cispo: the clipped weight times A log pi;
     dpo: online DPO (no flag below but --beta)"""
     beta: NonNegative = 0.04
     """weight of the KL penalty in the loss (0: no reference model); online DPO's beta"""
     advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
     """how rewards become advantages"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    """grpo: divide r - group mean by the std of the group, of the rollout (batch), or none (Dr. GRPO)"""
+    """grpo: r - group mean over the std of the group, of the rollout (batch), or none (Dr. GRPO)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """a ratio pi / pi_old per token, or per completion (GSPO)"""
     epsilon: NonNegative = 0.2
@@ -213,13 +215,18 @@ def verifier_reward(completion, answer, reward_fn):
     return float(got is not None and got == parse_answer(answer, "gsm8k" if "####" in answer else "last_number"))
 
 
+def has_spread(values, group_size):
+    """Groups (consecutive rows) of values over 1e-5 apart (not std > 0: a reward model's noise)."""
+    groups = values.view(-1, group_size)
+    return groups.max(1).values - groups.min(1).values >= 1e-5
+
+
 def group_advantages(rewards, num_tokens, group_size, args):
     """A completion's advantage for all its tokens (Sec. 4.1.2 of arXiv:2402.03300), groups of consecutive rows. grpo:
-    (r - group mean) / (std + 1e-4), std of the group, the rollout (batch) or none (Dr. GRPO); rloo: r - the others'
-    mean (arXiv:2402.14740); both 0 for equal rewards (within 1e-5). reinforce_plus_plus: r whitened over the
-    rollout's tokens (arXiv:2501.03262); _baseline: r - group mean, whitened. Also which groups are equal."""
-    groups = rewards.view(-1, group_size)
-    zero_std = groups.max(1).values - groups.min(1).values < 1e-5
+    (r - group mean) / (std + 1e-4), the std of the group, rollout (batch) or none (Dr. GRPO); rloo: r - the others'
+    mean (arXiv:2402.14740); both 0 without spread. reinforce_plus_plus: r whitened over the rollout's tokens
+    (arXiv:2501.03262); _baseline: r - group mean, whitened. And the groups without spread."""
+    groups, zero_std = rewards.view(-1, group_size), ~has_spread(rewards, group_size)
     advantages = groups - groups.mean(1, keepdim=True)
     if args.advantage_estimator.startswith("reinforce_plus_plus"):
         x = (rewards if args.advantage_estimator == "reinforce_plus_plus" else advantages.flatten()).double()
@@ -237,8 +244,8 @@ def group_advantages(rewards, num_tokens, group_size, args):
 
 
 def rejection_sample(rewards, keep, beta, generator):
-    """RSO's Algorithm 1 (arXiv:2309.06657) on each row of `rewards` (a prompt's candidates): pass after pass over those
-    left, in random order, keep each with probability exp((r - r_max) / beta) until `keep` are; flat indices."""
+    """RSO's Algorithm 1 (arXiv:2309.06657) on each row of `rewards` (a prompt's candidates): passes over those left,
+    in random order, keeping each with probability exp((r - r_max) / beta) until `keep` are; flat indices."""
     if not (torch.isfinite(rewards).all() and beta > 0):  # else a pass might keep no candidate, forever
         raise ValueError(f"rejection sampling needs finite rewards and a beta above 0, not {beta}")
     kept = []
@@ -255,7 +262,7 @@ def rejection_sample(rewards, keep, beta, generator):
 
 
 def best_and_worst(rewards):
-    """Online DPO's pairs: each group's (row's) first best and first worst, as flat indices."""
+    """Online DPO's pairs: each row's first best and first worst, as flat indices."""
     pairs = torch.stack([rewards.argmax(1), rewards.argmin(1)], 1)
     return (pairs + rewards.shape[1] * torch.arange(len(rewards))[:, None]).flatten().tolist()
 
@@ -276,8 +283,8 @@ def kl_estimate(logps, ref_logps, old_logps, kl_estimator):
 
 
 def loss_normaliser(completion_mask, args):
-    """A global mini-batch's loss divisor, counted over all of it (its split cannot change the update): its tokens
-    (Eq. 12 of arXiv:2503.14476), completions (sequence), completions x max length, pairs (online DPO)."""
+    """A global mini-batch's loss divisor, counted over all of it (its split cannot change the update): tokens (Eq. 12
+    of arXiv:2503.14476), completions (sequence), completions x max length, pairs (online DPO)."""
     if args.policy_loss == "dpo":
         return completion_mask[:, 0].view(-1, 2).prod(1).sum().clamp(min=1)
     if args.loss_type == "token":
@@ -290,7 +297,7 @@ def loss_normaliser(completion_mask, args):
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, args):
     """Eq. 3 of arXiv:2402.03300 as a loss: per token -min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A) (or
     CISPO's) + beta KL, ratio = pi / pi_old (or GSPO's per completion), summed over `mask` (sequence: each
-    completion's mean), over `normaliser`; the ratio and the policy loss."""
+    completion's mean), over `normaliser`; the ratio and policy loss."""
     log_ratio, A = logps - old_logps, advantages[:, None]
     if args.importance_sampling_level == "sequence":  # GSPO, Eq. 7 of arXiv:2507.18071: one ratio per completion
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
@@ -300,56 +307,48 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, args):
     else:
         policy_loss = -torch.min(ratio * A, ratio.clamp(1 - args.epsilon, 1 + args.epsilon_high) * A)
     kl = args.beta * kl_estimate(logps, ref_logps, old_logps, args.kl_estimator) if args.beta > 0 else 0.0
-    per_token = policy_loss + kl
+    per_token = (policy_loss + kl) * mask
     if args.loss_type == "sequence":
-        return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / normaliser, ratio, policy_loss
-    return (per_token * mask).sum() / normaliser, ratio, policy_loss
+        per_token = per_token.sum(1) / mask.sum(1).clamp(min=1)
+    return per_token.sum() / normaliser, ratio, policy_loss
 
 
 def online_dpo_loss(logps, ref_logps, mask, normaliser, beta):
     """DPO's -log sigmoid(beta h) (Eq. 7 of arXiv:2305.18290), h = log(pi / pi_ref) of the chosen minus the rejected's,
-    rows (chosen, rejected), summed over pairs with both in `mask`, over `normaliser`; dpo.py's metrics."""
+    rows (chosen, rejected), over pairs with both in `mask`, over `normaliser`; dpo.py's metrics."""
     logps, ref_logps = (logps * mask).sum(1).view(-1, 2), (ref_logps * mask).sum(1).view(-1, 2)
     rewards, in_loss = beta * (logps - ref_logps), mask[:, 0].view(-1, 2).prod(1) / normaliser  # no empty row
     chosen, rejected = rewards.unbind(1)
     metrics = {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/accuracies": chosen > rejected,
                "rewards/margins": chosen - rejected, "logps/chosen": logps[:, 0], "logps/rejected": logps[:, 1]}
-    loss = -F.logsigmoid(rewards[:, 0] - rewards[:, 1])
+    loss = -F.logsigmoid(chosen - rejected)
     return (loss * in_loss).sum(), {name: (value.detach() * in_loss).sum() for name, value in metrics.items()}
 
 
 def loss_temperature(args):
-    """The sampling one (pi / pi_old), but 1 in online DPO, as in DPO (sampling only picks its pairs)."""
+    """The sampling one, but 1 in online DPO, as in DPO (sampling only picks its pairs)."""
     return 1.0 if args.policy_loss == "dpo" else args.temperature
 
 
 @torch.no_grad()
 def rollout_rewards(rollout, reward_model, tokenizer, pad_token_id, args, device):
-    """reward_fn_weight x verifier - missing_eos_penalty x (no EOS) + reward_model_weight x the reward model's score,
-    refused if not finite; which completions ended."""
+    """reward_fn_weight x verifier - missing_eos_penalty x (no EOS) + reward_model_weight x the reward model's score
+    (finite), which completions ended, and the outcome: the verifier's, else the score."""
     texts = tokenizer.batch_decode(rollout["completion"], skip_special_tokens=True)
-    rewards = torch.tensor([args.reward_fn_weight * verifier_reward(t, a, args.reward_fn) if args.reward_fn else 0.0
+    correct = torch.tensor([verifier_reward(t, a, args.reward_fn) if args.reward_fn else 0.0
                             for t, a in zip(texts, rollout["answer"])], device=device)
     ended = torch.tensor([c[-1] == tokenizer.eos_token_id for c in rollout["completion"]], device=device)
-    rewards -= args.missing_eos_penalty * (~ended).float()
+    rewards = args.reward_fn_weight * correct - args.missing_eos_penalty * (~ended).float()
     scores = (args.reward_model_weight * frozen_pass(reward_model, rollout, pad_token_id, args, scores=True)[:, 0]
               if reward_model else torch.zeros_like(rewards))
     sources = [f"--reward_fn {args.reward_fn}", f"--reward_model_path {args.reward_model_path}"]
     check_rewards(torch.stack([rewards, scores], 1), sources)
-    return rewards + scores, ended
-
-
-def evaluate(model, reward_model, test, tokenizer, pad_token_id, args):
-    """Mean reward of greedy completions of the test prompts (exact match: accuracy)."""
-    test["completion"], _ = sample_rollout(model, test["prompt"], None, args, tokenizer.eos_token_id, pad_token_id)
-    rewards, _ = rollout_rewards(test, reward_model, tokenizer, pad_token_id, args, next(model.parameters()).device)
-    return {"eval/scores": rewards.mean().item()}
+    return {"reward": rewards + scores, "ended": ended, "outcome": correct if args.reward_fn else scores}
 
 
 @torch.no_grad()
 def frozen_pass(net, rollout, pad_token_id, args, scores=False):
-    """Log-probs of the completions at the loss's temperature, or (scores) a reward model's scores: each rank its
-    share, summed over ranks."""
+    """Log-probs of the completions at the loss's temperature, or a reward model's scores: rank shares, summed."""
     device = next(net.parameters()).device
     table = torch.zeros(len(rollout["prompt"]), 1 if scores else args.max_completion_length, device=device)
     for rows, valid in rank_micro_batches(len(table), args.local_rollout_forward_batch_size):
@@ -364,8 +363,7 @@ def frozen_pass(net, rollout, pad_token_id, args, scores=False):
 
 
 def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token_id):
-    """One optimizer step's gradients from this rank's micro-batches of the global mini-batch `mini`; statistics
-    summed into `sums`."""
+    """One step's gradients from this rank's micro-batches of the global mini-batch `mini`, statistics in `sums`."""
     device, step_loss = next(model.parameters()).device, 0.0
     for micro in micro_batches(mini, args):
         input_ids, attention_mask, completion_mask = batch_on(device, rollout["prompt"], rollout["completion"], micro,
@@ -382,7 +380,7 @@ def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token
             (loss, ratio, policy_loss), pair_stats = grpo_loss(logps, old, ref, A[:, 0], mask, normaliser, args), {}
         loss.backward()
         step_loss += loss.detach()
-        with torch.no_grad():  # sums over the loss tokens
+        with torch.no_grad():  # sums over loss tokens
             kl = kl_estimate(logps, ref, old, "k3") if ref is not None else 0 * logps
             token_stats = {"loss/policy_avg": policy_loss, "policy/approxkl_avg": 0.5 * (logps - old) ** 2,
                            "objective/entropy": entropy, "val/ratio": ratio, "val/ratio_squared": ratio**2,
@@ -401,7 +399,7 @@ def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token
 
 
 def window_metrics(w, steps, seconds, args):
-    """The metrics since the last log from their sums over ranks: per loss token, per completion (KL), per step."""
+    """The metrics since the last log from their sums: per loss token, per completion (KL), per step."""
     tokens, per_token = max(w.pop("tokens"), 1.0), ("loss/", "policy/", "objective/entropy", "val/ratio", "clip")
     metrics = {"tokens_per_second": w.pop("processed") / seconds,
                "objective/kl": w.pop("objective/kl") / steps / args.batch_size}
@@ -411,24 +409,14 @@ def window_metrics(w, steps, seconds, args):
     return metrics
 
 
-def rollout_metrics(rollout, rewards, lengths, ended, zero_std, tokenizer):
-    """The rollout's statistics by metric name, and its first two completions."""
-    stats = {"completions/mean_length": lengths.float().mean(),
-             "val/num_eos_tokens": ended.sum(), "completions/clipped_ratio": 1 - ended.float().mean(),
-             "frac_reward_zero_std": zero_std.float().mean()}
-    samples = [["prompt", "completion", "reward", "advantage"]]
-    samples += [[tokenizer.decode(rollout["prompt"][i]), tokenizer.decode(rollout["completion"][i]),
-                 rewards[i].item(), rollout["advantages"][i].item()] for i in (0, 1)]
-    return stats, samples
-
-
 def main(args):
     # 1. distributed init, computed batch sizes, argument checks
     rank, world_size, device, mesh = setup(args)
     G, dpo = args.num_generations, args.policy_loss == "dpo"
-    N = args.num_candidates = G if args.num_candidates is None else args.num_candidates
+    N = args.num_candidates = args.num_candidates or G
     K = 2 if dpo else G  # a prompt's rows in the loss (online DPO: a pair)
     args.rollout_batch_size = args.batch_size * args.num_mini_batches
+    P, rounds = args.rollout_batch_size // K, args.dynamic_sampling  # groups a rollout
     unused = [f"--{f.name}" for f in fields(Args)[-7:] if getattr(args, f.name) != f.default]  # GRPO's, after beta
     if dpo and (unused or args.beta == 0 or args.per_device_train_batch_size % 2):
         raise ScriptError(f"--policy_loss dpo needs --beta above 0, an even --per_device_train_batch_size and none of "
@@ -446,10 +434,9 @@ def main(args):
     if args.scale_rewards != "group" and args.advantage_estimator != "grpo":
         raise ScriptError(f"--scale_rewards applies to --advantage_estimator grpo only, not {args.advantage_estimator}")
 
-    # 2. data: every rank tokenises all prompts, so each knows the whole rollout
+    # 2. data: every rank tokenises all prompts (and knows the whole rollout)
     tokenizer, pad_token_id, train, test, dropped = load_data(args, tokenize_prompts)
-    num_rollouts, steps_per_rollout = rollouts_of(len(train["prompt"]), args.rollout_batch_size // K, f" x {N}",
-                                                  "--num_iterations", args, dropped)
+    num_rollouts, steps_per_rollout = rollouts_of(len(train["prompt"]), P, f" x {N}", "--num_iterations", args, dropped)
 
     # 3. models + FSDP2: the policy, then the frozen reference (the SFT model) and reward model
     path, flag = args.model_name_or_path, "--model_name_or_path"
@@ -465,29 +452,40 @@ def main(args):
     sums = collections.defaultdict(lambda: torch.zeros((), device=device))  # this rank's, since the last log
     logged, window_start, learned = start_step, time.time(), False
     for rollout_index in range(start_step // steps_per_rollout, num_rollouts):
-        rollout_start = time.time()
-        # ALGO LOGIC: 1. the rollout's prompts, each N times in a row
-        rows = [row for row in global_batch(rollout_index, len(train["prompt"]), args.rollout_batch_size // K,
-                                            args.seed) for _ in range(N)]
-        rollout = {name: [column[row] for row in rows] for name, column in train.items()}
+        rollout_start, rollout, kept = time.time(), collections.defaultdict(list), []
+        generator = torch.Generator().manual_seed((args.seed * 100_003 + rollout_index) * 100_003 - 1)
+        for batch in range(rollout_index * rounds, (rollout_index + 1) * rounds):  # round r: batch i R + r
+            # ALGO LOGIC: 1. a batch of P prompts, each N times in a row
+            rows = global_batch(batch, len(train["prompt"]), P, args.seed)
+            part = {name: [column[row] for row in rows for _ in range(N)] for name, column in train.items()}
 
-        # 2. sample the completions (seeded by rollout and chunk)
-        rollout["completion"], lengths = sample_rollout(model, rollout["prompt"], rollout_index, args,
-                                                         tokenizer.eos_token_id, pad_token_id)
+            # 2. sample the completions (seeded by batch and chunk)
+            part["completion"], part["length"] = sample_rollout(model, part["prompt"], batch, args,
+                                                                tokenizer.eos_token_id, pad_token_id)
 
-        # 3. the rewards; rejection sampling keeps G of N > G candidates, online DPO their best and worst
-        rewards, ended = rollout_rewards(rollout, reward_model, tokenizer, pad_token_id, args, device)
-        scores = {"objective/candidate_scores": rewards.mean()} if N > G else {}
-        kept = list(range(len(rewards)))
-        if N > G:  # no longer a sample of the policy: not the policy's gradient
-            generator = torch.Generator().manual_seed((args.seed * 100_003 + rollout_index) * 100_003 - 1)
-            kept = rejection_sample(rewards.view(-1, N).cpu(), G, args.rejection_sampling_beta, generator)
-        scores["objective/scores"] = rewards[kept].mean()  # before the pairs
-        if dpo:  # chosen, rejected: the same on any number of processes
+            # 3. the rewards; rejection sampling keeps G of N > G candidates (not the policy's gradient then)
+            part |= rollout_rewards(part, reward_model, tokenizer, pad_token_id, args, device)
+            picked = range(P * N) if N == G else rejection_sample(part["reward"].view(-1, N).cpu(), G,
+                                                                  args.rejection_sampling_beta, generator)
+            kept += [len(rollout["prompt"]) + i for i in picked]
+            for name, column in part.items():
+                rollout[name] += list(column)
+            spread = has_spread(torch.stack(rollout["outcome"])[kept], G)  # dynamic sampling's test
+            if spread.sum() >= P:
+                break
+        rewards = torch.stack(rollout["reward"])
+        stats = {"objective/candidate_scores": rewards.mean()} if N > G else {}
+        stats["objective/scores"] = rewards[kept].mean()  # unfiltered, unpaired
+        if rounds > 1:  # P groups, those with a spread first
+            short = max(P - spread.sum().item(), 0)
+            stats |= {"dynamic_sampling/rounds": batch % rounds + 1, "dynamic_sampling/groups_short": short,
+                      "dynamic_sampling/groups_filtered": (~spread).sum() - short}
+            groups = torch.argsort((~spread).int(), stable=True)[:P].tolist()
+            kept = [kept[g * G + i] for g in groups for i in range(G)]
+        if dpo:  # online DPO: each group's best, worst
             kept = [kept[i] for i in best_and_worst(rewards[kept].view(-1, G).cpu())]
         rollout = {name: [column[i] for i in kept] for name, column in rollout.items()}
-        rewards, lengths, ended = rewards[kept], lengths[kept], ended[kept]
-        # the reference's and (num_iterations > 1) the old policy's log-probs
+        rewards, lengths, ended = (torch.stack(rollout.pop(name)) for name in ("reward", "length", "ended"))
         rollout["ref_logps"] = frozen_pass(ref_model, rollout, pad_token_id, args) if ref_model else None
         rollout["old_logps"] = frozen_pass(model, rollout, pad_token_id, args) if args.num_iterations > 1 else None
 
@@ -496,11 +494,15 @@ def main(args):
         if args.mask_truncated_completions:
             rollout["loss_mask"] *= ended[:, None]
         rollout["advantages"], zero_std = group_advantages(rewards, rollout["loss_mask"].sum(1), K, args)
-        if dpo:  # equal rewards: no preference
+        if dpo:  # equal rewards: no pair
             rollout["loss_mask"] *= ~zero_std.repeat_interleave(2)[:, None]
         learned |= bool((rollout["advantages"][:, None] * rollout["loss_mask"]).any())
-        stats, samples = rollout_metrics(rollout, rewards, lengths, ended, zero_std, tokenizer)
-        stats |= scores | {"time/rollout": time.time() - rollout_start}
+        stats |= {"completions/mean_length": lengths.float().mean(), "val/num_eos_tokens": ended.sum(),
+                  "completions/clipped_ratio": 1 - ended.float().mean(),
+                  "frac_reward_zero_std": zero_std.float().mean(), "time/rollout": time.time() - rollout_start}
+        samples = [["prompt", "completion", "reward", "advantage"]]
+        samples += [[tokenizer.decode(rollout["prompt"][i]), tokenizer.decode(rollout["completion"][i]),
+                     rewards[i].item(), rollout["advantages"][i].item()] for i in (0, 1)]
 
         # 5. num_iterations passes over the rollout, each in num_mini_batches optimizer steps
         for k, mini in enumerate(rollout_mini_batches(rollout_index, args.num_iterations, args, K if dpo else 1)):
@@ -518,8 +520,11 @@ def main(args):
                 metrics = {"step": step, "episode": (rollout_index + 1) * args.rollout_batch_size, "lr": lr,
                            "grad_norm": grad_norm.item()}
                 metrics |= window_metrics(reduce_sums(sums), step - logged, time.time() - window_start, args)
-                if is_due(step, args.eval_every, args) and test:
-                    metrics.update(evaluate(model, reward_model, test, tokenizer, pad_token_id, args))
+                if is_due(step, args.eval_every, args) and test:  # greedy completions' mean reward
+                    test["completion"], _ = sample_rollout(model, test["prompt"], None, args, tokenizer.eos_token_id,
+                                                           pad_token_id)
+                    scored = rollout_rewards(test, reward_model, tokenizer, pad_token_id, args, device)
+                    metrics["eval/scores"] = scored["reward"].mean().item()
                 if not learned and rank == 0:
                     print(f"steps {logged + 1}-{step}: no advantage or pair in the loss (equal rewards, or masked)")
                 log_metrics(metrics, metrics_path, args, progress, samples)
@@ -535,7 +540,7 @@ def main(args):
 # ---------------------------------------------------------------------------------------------------------------------
 # Infrastructure: identical in every script that has it (tests/test_consistency.py). Skip it on a first read.
 def setup(args):
-    """Distributed init (one process under plain `python`), guards, batch sizes, seed, the models' mesh."""
+    """Distributed init (plain `python`: one process), guards, batch sizes, seed, the models' mesh."""
     gpu, alone = torch.cuda.is_available(), {"store": dist.HashStore(), "rank": 0, "world_size": 1}
     dist.init_process_group("nccl" if gpu else "gloo", **({} if "RANK" in os.environ else alone))
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -556,8 +561,7 @@ def setup(args):
 
 
 def load_data(args, tokenize):
-    """The tokenizer, its pad id (EOS if none: masks come from lengths), the splits tokenised on every rank, the rows
-    dropped."""
+    """The tokenizer, its pad id (EOS if none: masks come from lengths), the splits tokenised on every rank, drops."""
     tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
     check_tokenizer(tokenizer, args)
     pad_token_id, splits = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id, {}
@@ -581,7 +585,7 @@ DATA_EXTENSIONS = tuple(kind + packing for kind in (".json", ".jsonl", ".parquet
 
 
 def load_split(name, split):
-    """A split of a hub dataset, folder or file (its train split), or None; in a folder a split may be a file."""
+    """A split of a hub dataset, folder or file (train only), or None; in a folder a split may be a file."""
     check_local_path(name, "--dataset_name")
     if os.path.isfile(name):
         return load_file(name) if split == "train" else None
@@ -610,7 +614,7 @@ def load_split(name, split):
 
 
 def load_file(path):
-    """A local .json/.jsonl/.parquet/.csv file as a dataset."""
+    """A local data file as a dataset."""
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(path.split(".")[-1])
     if not builder:
         raise ScriptError(f"dataset file {path!r}: unknown format; give a .json, .jsonl, .parquet or .csv file")
@@ -621,8 +625,8 @@ def load_file(path):
 
 
 def tokenize_prompts(dataset, tokenizer, args):
-    """Prompts (strings, or messages with the generation prompt), the verifier's answers; empty and over-long prompts
-    dropped, counted."""
+    """Prompts (strings, or messages with the generation prompt), the verifier's answers; empty or long ones dropped,
+    counted."""
     prompts, answers = args.prompt_column, getattr(args, "reward_fn", None) and args.answer_column
     if prompts not in dataset.column_names or (answers and answers not in dataset.column_names):
         needs = f"a {prompts!r} column" + (f" and an {answers!r} column" if answers else "")
@@ -645,7 +649,7 @@ def tokenize_prompts(dataset, tokenizer, args):
 
 
 def rollouts_of(num_prompts, prompts_per_rollout, samples, passes_flag, args, dropped):
-    """Set num_training_steps: rollouts of passes (`passes_flag`) x num_mini_batches steps."""
+    """Set num_training_steps: rollouts of `passes_flag` x num_mini_batches steps."""
     steps_per_rollout = getattr(args, passes_flag[2:]) * args.num_mini_batches
     for flag, value in (("--max_steps", args.max_steps), ("--save_every", args.save_every)):
         if value > 0 and value % steps_per_rollout:
@@ -664,7 +668,7 @@ def rollouts_of(num_prompts, prompts_per_rollout, samples, passes_flag, args, dr
 
 
 def global_batch(step, num_rows, batch_size, seed):
-    """Rows of global batch `step`: a function of the step alone, on every rank and on resume."""
+    """Rows of global batch `step`: a function of the step alone (every rank, resume)."""
     epoch, position = divmod(step, num_rows // batch_size)
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     return order[position * batch_size : (position + 1) * batch_size].tolist()
@@ -679,8 +683,8 @@ def micro_batches(batch, args):
 
 
 def rank_micro_batches(num_rows, size):
-    """This rank's share of the rows, in as many micro-batches on every rank (FSDP forwards are collectives): a rank
-    out of rows gets row 0, valid False."""
+    """This rank's share of the rows, as many micro-batches on every rank (FSDP forwards are collectives): out of rows,
+    row 0, valid False."""
     share = list(range(dist.get_rank(), num_rows, dist.get_world_size()))
     for start in range(0, math.ceil(num_rows / dist.get_world_size()), size):
         rows = share[start : start + size]
@@ -688,13 +692,13 @@ def rank_micro_batches(num_rows, size):
 
 
 def pad(sequences, value, side):
-    """Lists of ints padded to one width, on the left or the right."""
+    """Lists of ints padded to one width on `side`."""
     tensors = [torch.tensor(s, dtype=torch.long) for s in sequences]
     return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value, padding_side=side)
 
 
 def make_batch(prompts, completions, pad_token_id):
-    """[left-padded prompts | right-padded completions], masks from the lengths, never pad_token_id (EOS stays in the
+    """[left-padded prompts | right-padded completions], masks from the lengths, not pad_token_id (EOS stays in the
     loss when pad == eos)."""
     input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
     completion_mask = pad([[1] * len(c) for c in completions], 0, "right")
@@ -702,14 +706,14 @@ def make_batch(prompts, completions, pad_token_id):
 
 
 def batch_on(device, prompts, completions, rows, pad_token_id):
-    """make_batch of the given rows, on the device."""
+    """make_batch of `rows`, on the device."""
     batch = make_batch([prompts[i] for i in rows], [completions[i] for i in rows], pad_token_id)
     return [t.to(device) for t in batch]
 
 
 def load_pretrained(auto_class, path, args, flag, **options):
-    """auto_class.from_pretrained(path), refused naming `flag`. A model (fp32, with its load report) is read by the
-    first process alone, built on the meta device by the others."""
+    """auto_class.from_pretrained(path), refused naming `flag`; a model (fp32, its load report) read by the first
+    process, built on the meta device by the others."""
     check_local_path(path, flag, auto_class)
     if auto_class is AutoTokenizer:
         try:
@@ -748,7 +752,7 @@ def disable_dropout(model):
 
 def shard_model(model, args, mesh):
     """FSDP2 over `mesh` (HSDP if 2-D), gradients summed (each loss is a global mean); the first process's weights
-    broadcast a tensor at a time, each process keeping its shard."""
+    broadcast a tensor at a time."""
     loaded = model.state_dict() if dist.get_rank() == 0 else {}  # the first process's, read from disk
     if args.gradient_checkpointing:  # in training mode only: not on frozen models
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -758,7 +762,7 @@ def shard_model(model, args, mesh):
                 "mp_policy": MixedPrecisionPolicy(**bf16),
                 "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()}
     layers = [module for module in model.modules() if type(module).__name__ in (model._no_split_modules or [])]
-    for module in layers + [model]:  # each decoder layer, then the root (None: the root keeps its weights gathered)
+    for module in layers + [model]:  # each decoder layer, then the root (None: it keeps its weights gathered)
         fully_shard(module, reshard_after_forward=None if args.reshard_after_forward else False, **policies)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
@@ -771,7 +775,7 @@ def shard_model(model, args, mesh):
 
 
 def load_model(auto_class, path, args, flag, mesh, frozen=False):
-    """A model sharded, dropout off; frozen (a reference or reward model): no gradients."""
+    """A model sharded, dropout off; frozen: no gradients."""
     model, report = load_pretrained(auto_class, path, args, flag)
     check_weights(model, report, path, flag)
     model = disable_dropout(model)
@@ -789,7 +793,7 @@ def load_reward_model(args, tokenizer, mesh):
 def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
     """Log-probs (and entropies) of the last `completion_width` tokens from logits / T, by HeadLogprobs."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
-    hidden = []  # the decoder's output (output_hidden_states gives views, which FSDP2 warns of)
+    hidden = []  # the decoder's output (output_hidden_states gives views: FSDP2 warns)
     hook = model.get_decoder().register_forward_hook(lambda module, inputs, output: hidden.append(output[0]))
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                    logits_to_keep=1).logits
@@ -807,9 +811,8 @@ HEAD_ROWS = 1024  # 0.9 GiB of logits for a vocabulary of 151,936
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """log_softmax(head(hidden)) at `labels` (and entropies, no gradient), HEAD_ROWS rows at a time; the backward
-    recomputes a chunk's softmax as its logits' gradient in place (autograd keeps (rows, vocab) tensors), the head's
-    gradient summed in fp32."""
+    """log_softmax(head(hidden)) at `labels` (and entropies), HEAD_ROWS rows at a time; the backward recomputes a
+    chunk's softmax as its logits' gradient in place (autograd would keep them), the head's gradient summed in fp32."""
 
     @staticmethod
     def forward(ctx, hidden, labels, with_entropy, weight, bias=None):
@@ -843,7 +846,7 @@ def last_token_index(attention_mask):
 
 
 def head_scores(model, input_ids, attention_mask):
-    """A reward or value model's score at every position, plus its config's score_bias (reward.py)."""
+    """A reward or value model's score at every position, plus its config's score_bias."""
     scores = []
     hook = model.score.register_forward_hook(lambda module, inputs, output: scores.append(output[..., 0].float()))
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
@@ -853,13 +856,13 @@ def head_scores(model, input_ids, attention_mask):
 
 
 def sequence_scores(model, input_ids, attention_mask):
-    """A reward model's score at each row's last real token."""
+    """A reward model's score at each row's last token."""
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)
     return head_scores(model, input_ids, attention_mask)[rows, last_token_index(attention_mask)]
 
 
 def make_optimizer(model, args):
-    """AdamW or TF-style Adam, the LR schedule, and what --resume_from restores."""
+    """AdamW or TF-style Adam, the LR schedule, what --resume_from restores."""
     if args.optimizer == "adam_tf":
         optimizer = AdamTF(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
     else:
@@ -914,7 +917,7 @@ def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_
         extra = -input_ids.shape[1] % 64
         input_ids = F.pad(input_ids, (extra, 0), value=pad_token_id)
         attention_mask = F.pad(attention_mask, (extra, 0), value=0)
-    # the log-probs' distribution: no top_k or top_p (neither the folder's generation_config nor HF's top_k 50)
+    # the log-probs' distribution: no top_k or top_p (not the folder's generation_config, nor HF's top_k 50)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
     config = GenerationConfig(**(sampling or {"do_sample": False}), max_new_tokens=max_new_tokens,
                               eos_token_id=eos_token_id, pad_token_id=pad_token_id,
@@ -933,7 +936,7 @@ def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_
 
 def sample_rollout(model, prompts, rollout_index, args, eos_token_id, pad_token_id):
     """Completions in chunks round-robin over the ranks, each seeded by (seed, rollout, chunk): the same on any number
-    of processes and on resume. Rollout None: greedy, evaluation's chunks."""
+    of processes and on resume; rollout None: greedy."""
     device, rank, greedy = next(model.parameters()).device, dist.get_rank(), rollout_index is None
     n, width = len(prompts), args.max_completion_length
     chunk_size = args.per_device_eval_batch_size if greedy else args.local_rollout_forward_batch_size
@@ -953,7 +956,7 @@ def sample_rollout(model, prompts, rollout_index, args, eos_token_id, pad_token_
 
 
 def rollout_mini_batches(rollout_index, passes, args, group=1):
-    """`passes` passes over a rollout, each a fresh order of its groups of rows, in num_mini_batches."""
+    """`passes` passes over a rollout, each a fresh order of its groups of rows, in mini-batches."""
     for iteration in range(passes):
         seed = (args.seed * 100_003 + rollout_index) * 100_003 + iteration
         order = torch.randperm(args.rollout_batch_size // group, generator=torch.Generator().manual_seed(seed))
@@ -963,7 +966,7 @@ def rollout_mini_batches(rollout_index, passes, args, group=1):
 
 
 def optimizer_step(model, optimizer, scheduler, loss, step, args):
-    """Clip the gradient norm, update unless guard_step stops the run, step the schedule once."""
+    """Clip the gradient norm, update unless guard_step stops the run, step the schedule."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf).full_tensor()
     stop = guard_step(loss, grad_norm, step, args)
     optimizer.step()
@@ -974,12 +977,12 @@ def optimizer_step(model, optimizer, scheduler, loss, step, args):
 
 
 def is_due(step, every, args):
-    """Whether to log or evaluate after `step`: every `every` steps (-1: never) and the last."""
+    """Every `every` steps (-1: never) and the last."""
     return step == args.num_training_steps or (every > 0 and step % every == 0)
 
 
 def reduce_sums(sums):
-    """{name: this rank's sum} -> {name: the sum over ranks}, one all-reduce."""
+    """{name: this rank's sum} -> {name: the sum over ranks}."""
     names = sorted(sums)
     totals = torch.stack([sums[name].float() for name in names])
     dist.all_reduce(totals)
@@ -987,7 +990,7 @@ def reduce_sums(sums):
 
 
 def log_metrics(metrics, path, args, progress, samples=None):
-    """Rank 0 prints the metrics (and samples), writes them to metrics.jsonl and wandb."""
+    """Rank 0 prints the metrics (and samples), to metrics.jsonl and wandb."""
     if dist.get_rank() != 0:
         return
     progress.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
@@ -1004,8 +1007,8 @@ def log_metrics(metrics, path, args, progress, samples=None):
 
 
 def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
-    """checkpoints/step_N: the arguments, each rank's scheduler, RNG and loop state, then model and optimizer (DCP,
-    sharded: its .metadata, written last, marks it complete). If `stop` (a signal), the exit."""
+    """checkpoints/step_N: the arguments, each rank's scheduler, RNG and loop state, then model and optimizer (DCP:
+    its .metadata, written last, marks it complete); if `stop`, the exit."""
     rank, path = dist.get_rank(), os.path.join(args.output_dir, "checkpoints", f"step_{step}")
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)  # a crash's, or a restarted run's old step
@@ -1028,18 +1031,17 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
 
 def complete_checkpoints(output_dir):
     """output_dir's complete checkpoints, oldest first."""
-    root = os.path.join(output_dir, "checkpoints")
-    found = [f"{root}/{name}" for name in (os.listdir(root) if os.path.isdir(root) else [])]
-    return sorted(filter(is_complete, found), key=lambda path: json.load(open(f"{path}/checkpoint.json"))["step"])
+    found = filter(is_complete, glob.glob(os.path.join(glob.escape(output_dir), "checkpoints", "*")))
+    return sorted(found, key=lambda path: json.load(open(f"{path}/checkpoint.json"))["step"])
 
 
 def is_complete(path):
-    """A checkpoint folder with its arguments and .metadata."""
+    """With its arguments and .metadata."""
     return os.path.exists(f"{path}/checkpoint.json") and os.path.exists(f"{path}/.metadata")
 
 
 def load_checkpoint(path, model, optimizer, scheduler, args):
-    """A checkpoint of this run restored on any number of processes (DCP reshards)."""
+    """A checkpoint of this run restored on any number of processes."""
     manifest = check_checkpoint(path, args)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state["state"]}
@@ -1061,8 +1063,7 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
 
 
 def finish(model, tokenizer, args, device):
-    """The full weights gathered (a collective) into a Hugging Face folder by rank 0, the peak memory printed, wandb
-    and the process group closed."""
+    """The full weights gathered into a Hugging Face folder, the peak memory printed, wandb and the group closed."""
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     kept = dict(model.named_parameters()) | dict(model.named_buffers())  # not a tied head's copy
     state_dict = {name: tensor for name, tensor in state_dict.items() if name in kept}
@@ -1089,8 +1090,8 @@ class ScriptError(ValueError):
 
 
 def guard_run(args, auto):
-    """Errors as one line, signals as a checkpoint, bars and logs at a terminal only, numbers their type rules out
-    refused (a batch size of 0, NaN), output_dir claimed."""
+    """Errors as one line, signals as a checkpoint, bars and logs at a terminal only, numbers their types rule out
+    refused, output_dir claimed."""
     sys.excepthook = report_error
     signal.signal(signal.SIGTERM, request_stop)  # preemption: torchrun forwards it to every process
     signal.signal(signal.SIGINT, request_stop)
@@ -1111,7 +1112,7 @@ def guard_run(args, auto):
 
 
 def report_error(kind, error, traceback):
-    """sys.excepthook: a ScriptError is one line from the first process, exit 2 everywhere."""
+    """sys.excepthook: a ScriptError is one line from the first process, exit 2."""
     if not isinstance(error, ScriptError):
         return sys.__excepthook__(kind, error, traceback)
     if os.environ.get("RANK", "0") == "0":
@@ -1143,7 +1144,7 @@ def claim_output_dir(args, auto):
 
 
 def output_dir_verdict(args, auto, token):
-    """The first process's refusal or None: a flock held for the run's life; another run's folder unless continued."""
+    """The first process's refusal or None: a flock for the run's life; another run's folder unless continued."""
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         lock = open(os.path.join(args.output_dir, ".lock"), "a+")
@@ -1176,8 +1177,8 @@ def request_stop(signum, frame):
 
 
 def guard_step(loss, grad_norm, step, args):
-    """One all-reduce: a non-finite loss or norm anywhere, or a first step with no gradient at all, stops the run
-    before the update; a signal anywhere, after it."""
+    """One all-reduce: a non-finite loss or norm anywhere, or a first step without gradient, stops the run before the
+    update; a signal anywhere, after it."""
     no_gradient = (grad_norm == 0) & (loss != 0) & (step == 1)
     flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(grad_norm), no_gradient,
                          torch.tensor(bool(STOP_SIGNALS), device=grad_norm.device)]).float()
@@ -1195,7 +1196,7 @@ def guard_step(loss, grad_norm, step, args):
 
 
 def check_local_path(path, what, auto_class=None):
-    """A local path that is not there, refused before the hub retries it for a minute."""
+    """A missing local path, refused before the hub retries it for a minute."""
     meant_local = path.startswith(("/", "./", "../", "~")) or ("/" in path and os.path.isdir(path.split("/")[0]))
     meant_local |= path.endswith(DATA_EXTENSIONS)  # a file, not a hub id
     if meant_local and not os.path.exists(os.path.expanduser(path)):
@@ -1206,14 +1207,14 @@ def check_local_path(path, what, auto_class=None):
 
 
 def loading_error(auto_class, path, flag, error):
-    """Why a model or tokenizer does not load: no such name, or HF's reason."""
+    """Why it does not load: no such name, or HF's reason."""
     if not os.path.exists(path):
         return ScriptError(f"{flag} {path!r}: no such folder, nor on the hub ({str(error).splitlines()[0]})")
     return ScriptError(f"{flag} {path!r} does not load with {auto_class.__name__}: {error}")
 
 
 def check_weights(model, info, path, flag):
-    """No weight missing (HF would make it up) or left over (a reward model given as a causal LM)."""
+    """No weight missing (HF would make it up) or left over (a reward model as a causal LM)."""
     problems = [f"no weights for {sorted(info['missing_keys'])}"] if info["missing_keys"] else []
     problems += [f"weights {sorted(info['unexpected_keys'])} it does not use"] if info["unexpected_keys"] else []
     if problems:
@@ -1236,7 +1237,7 @@ DATASETS_METADATA = {"dataset_infos.json", "dataset_info.json", "state.json", "d
 
 
 def check_split_files(folder, splits):
-    """Every data file of a folder in a split (datasets skips files without a split word once one has it)."""
+    """Every data file of a folder in a split (datasets skips files without a split word once one has one)."""
     used = {os.path.realpath(f) for files in splits.values() for f in files}
     skipped = [os.path.relpath(f, folder) for f in glob.glob(f"{folder}/**/*", recursive=True)  # hidden ones aside
                if f.endswith(DATA_EXTENSIONS) and os.path.basename(f) not in DATASETS_METADATA
@@ -1271,8 +1272,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def check_columns(dataset, args, split, tokenizer):
-    """Text, not numbers ("0457" read as 457); messages with a role and text; no text spelling a special token (it
-    would become one: a fake turn, an early EOS)."""
+    """Text, not numbers ("0457" read as 457); messages with a role and text; no text spelling a special token (a
+    fake turn, an early EOS)."""
     specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special})
     names = ["prompt", "completion", "chosen", "rejected", "messages", getattr(args, "prompt_column", "prompt"),
              getattr(args, "answer_column", "answer")]
@@ -1340,7 +1341,7 @@ def check_rewards(rewards, sources):
 
 
 def check_linear_head(model, head, hidden, logits):
-    """HeadLogprobs needs logits linear in the last hidden state (no logit scale nor soft-capping)."""
+    """HeadLogprobs needs logits linear in the last hidden state (no logit scale or soft-capping)."""
     with torch.no_grad():
         difference = (F.linear(hidden, head.weight, head.bias).float() - logits.float()).abs()
     if (difference > 0.02 * (1 + logits.float().abs().max())).any():
@@ -1350,7 +1351,7 @@ def check_linear_head(model, head, hidden, logits):
 
 def check_checkpoint(path, args):
     """The manifest of a complete checkpoint of this run (the same arguments but Resumable ones); its .metadata read
-    through an allow-list, with no bytes entry (DCP unpickles those), first: loading one runs no planted code."""
+    through an allow-list, with no bytes entry (DCP unpickles those): loading runs no planted code."""
     if not is_complete(path):
         raise ScriptError(f"--resume_from {path!r} is not a complete checkpoint: --resume_from auto finds one")
     allowed = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),

@@ -446,7 +446,7 @@ def main(args):
 # ---------------------------------------------------------------------------------------------------------------------
 # Infrastructure: identical in every script that has it (tests/test_consistency.py). Skip it on a first read.
 def setup(args):
-    """Distributed init (one process under plain `python`), guards, batch sizes, seed, the models' mesh."""
+    """Distributed init (plain `python`: one process), guards, batch sizes, seed, the models' mesh."""
     gpu, alone = torch.cuda.is_available(), {"store": dist.HashStore(), "rank": 0, "world_size": 1}
     dist.init_process_group("nccl" if gpu else "gloo", **({} if "RANK" in os.environ else alone))
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -467,8 +467,7 @@ def setup(args):
 
 
 def load_data(args, tokenize):
-    """The tokenizer, its pad id (EOS if none: masks come from lengths), the splits tokenised on every rank, the rows
-    dropped."""
+    """The tokenizer, its pad id (EOS if none: masks come from lengths), the splits tokenised on every rank, drops."""
     tokenizer = load_pretrained(AutoTokenizer, args.model_name_or_path, args, "--model_name_or_path")
     check_tokenizer(tokenizer, args)
     pad_token_id, splits = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id, {}
@@ -492,7 +491,7 @@ DATA_EXTENSIONS = tuple(kind + packing for kind in (".json", ".jsonl", ".parquet
 
 
 def load_split(name, split):
-    """A split of a hub dataset, folder or file (its train split), or None; in a folder a split may be a file."""
+    """A split of a hub dataset, folder or file (train only), or None; in a folder a split may be a file."""
     check_local_path(name, "--dataset_name")
     if os.path.isfile(name):
         return load_file(name) if split == "train" else None
@@ -521,7 +520,7 @@ def load_split(name, split):
 
 
 def load_file(path):
-    """A local .json/.jsonl/.parquet/.csv file as a dataset."""
+    """A local data file as a dataset."""
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(path.split(".")[-1])
     if not builder:
         raise ScriptError(f"dataset file {path!r}: unknown format; give a .json, .jsonl, .parquet or .csv file")
@@ -532,8 +531,8 @@ def load_file(path):
 
 
 def tokenize_prompts(dataset, tokenizer, args):
-    """Prompts (strings, or messages with the generation prompt), the verifier's answers; empty and over-long prompts
-    dropped, counted."""
+    """Prompts (strings, or messages with the generation prompt), the verifier's answers; empty or long ones dropped,
+    counted."""
     prompts, answers = args.prompt_column, getattr(args, "reward_fn", None) and args.answer_column
     if prompts not in dataset.column_names or (answers and answers not in dataset.column_names):
         needs = f"a {prompts!r} column" + (f" and an {answers!r} column" if answers else "")
@@ -556,7 +555,7 @@ def tokenize_prompts(dataset, tokenizer, args):
 
 
 def rollouts_of(num_prompts, prompts_per_rollout, samples, passes_flag, args, dropped):
-    """Set num_training_steps: rollouts of passes (`passes_flag`) x num_mini_batches steps."""
+    """Set num_training_steps: rollouts of `passes_flag` x num_mini_batches steps."""
     steps_per_rollout = getattr(args, passes_flag[2:]) * args.num_mini_batches
     for flag, value in (("--max_steps", args.max_steps), ("--save_every", args.save_every)):
         if value > 0 and value % steps_per_rollout:
@@ -575,7 +574,7 @@ def rollouts_of(num_prompts, prompts_per_rollout, samples, passes_flag, args, dr
 
 
 def global_batch(step, num_rows, batch_size, seed):
-    """Rows of global batch `step`: a function of the step alone, on every rank and on resume."""
+    """Rows of global batch `step`: a function of the step alone (every rank, resume)."""
     epoch, position = divmod(step, num_rows // batch_size)
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     return order[position * batch_size : (position + 1) * batch_size].tolist()
@@ -590,8 +589,8 @@ def micro_batches(batch, args):
 
 
 def rank_micro_batches(num_rows, size):
-    """This rank's share of the rows, in as many micro-batches on every rank (FSDP forwards are collectives): a rank
-    out of rows gets row 0, valid False."""
+    """This rank's share of the rows, as many micro-batches on every rank (FSDP forwards are collectives): out of rows,
+    row 0, valid False."""
     share = list(range(dist.get_rank(), num_rows, dist.get_world_size()))
     for start in range(0, math.ceil(num_rows / dist.get_world_size()), size):
         rows = share[start : start + size]
@@ -599,13 +598,13 @@ def rank_micro_batches(num_rows, size):
 
 
 def pad(sequences, value, side):
-    """Lists of ints padded to one width, on the left or the right."""
+    """Lists of ints padded to one width on `side`."""
     tensors = [torch.tensor(s, dtype=torch.long) for s in sequences]
     return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value, padding_side=side)
 
 
 def make_batch(prompts, completions, pad_token_id):
-    """[left-padded prompts | right-padded completions], masks from the lengths, never pad_token_id (EOS stays in the
+    """[left-padded prompts | right-padded completions], masks from the lengths, not pad_token_id (EOS stays in the
     loss when pad == eos)."""
     input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
     completion_mask = pad([[1] * len(c) for c in completions], 0, "right")
@@ -613,14 +612,14 @@ def make_batch(prompts, completions, pad_token_id):
 
 
 def batch_on(device, prompts, completions, rows, pad_token_id):
-    """make_batch of the given rows, on the device."""
+    """make_batch of `rows`, on the device."""
     batch = make_batch([prompts[i] for i in rows], [completions[i] for i in rows], pad_token_id)
     return [t.to(device) for t in batch]
 
 
 def load_pretrained(auto_class, path, args, flag, **options):
-    """auto_class.from_pretrained(path), refused naming `flag`. A model (fp32, with its load report) is read by the
-    first process alone, built on the meta device by the others."""
+    """auto_class.from_pretrained(path), refused naming `flag`; a model (fp32, its load report) read by the first
+    process, built on the meta device by the others."""
     check_local_path(path, flag, auto_class)
     if auto_class is AutoTokenizer:
         try:
@@ -659,7 +658,7 @@ def disable_dropout(model):
 
 def shard_model(model, args, mesh):
     """FSDP2 over `mesh` (HSDP if 2-D), gradients summed (each loss is a global mean); the first process's weights
-    broadcast a tensor at a time, each process keeping its shard."""
+    broadcast a tensor at a time."""
     loaded = model.state_dict() if dist.get_rank() == 0 else {}  # the first process's, read from disk
     if args.gradient_checkpointing:  # in training mode only: not on frozen models
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -669,7 +668,7 @@ def shard_model(model, args, mesh):
                 "mp_policy": MixedPrecisionPolicy(**bf16),
                 "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()}
     layers = [module for module in model.modules() if type(module).__name__ in (model._no_split_modules or [])]
-    for module in layers + [model]:  # each decoder layer, then the root (None: the root keeps its weights gathered)
+    for module in layers + [model]:  # each decoder layer, then the root (None: it keeps its weights gathered)
         fully_shard(module, reshard_after_forward=None if args.reshard_after_forward else False, **policies)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
@@ -682,7 +681,7 @@ def shard_model(model, args, mesh):
 
 
 def load_model(auto_class, path, args, flag, mesh, frozen=False):
-    """A model sharded, dropout off; frozen (a reference or reward model): no gradients."""
+    """A model sharded, dropout off; frozen: no gradients."""
     model, report = load_pretrained(auto_class, path, args, flag)
     check_weights(model, report, path, flag)
     model = disable_dropout(model)
@@ -700,7 +699,7 @@ def load_reward_model(args, tokenizer, mesh):
 def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
     """Log-probs (and entropies) of the last `completion_width` tokens from logits / T, by HeadLogprobs."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
-    hidden = []  # the decoder's output (output_hidden_states gives views, which FSDP2 warns of)
+    hidden = []  # the decoder's output (output_hidden_states gives views: FSDP2 warns)
     hook = model.get_decoder().register_forward_hook(lambda module, inputs, output: hidden.append(output[0]))
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                    logits_to_keep=1).logits
@@ -718,9 +717,8 @@ HEAD_ROWS = 1024  # 0.9 GiB of logits for a vocabulary of 151,936
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """log_softmax(head(hidden)) at `labels` (and entropies, no gradient), HEAD_ROWS rows at a time; the backward
-    recomputes a chunk's softmax as its logits' gradient in place (autograd keeps (rows, vocab) tensors), the head's
-    gradient summed in fp32."""
+    """log_softmax(head(hidden)) at `labels` (and entropies), HEAD_ROWS rows at a time; the backward recomputes a
+    chunk's softmax as its logits' gradient in place (autograd would keep them), the head's gradient summed in fp32."""
 
     @staticmethod
     def forward(ctx, hidden, labels, with_entropy, weight, bias=None):
@@ -754,7 +752,7 @@ def last_token_index(attention_mask):
 
 
 def head_scores(model, input_ids, attention_mask):
-    """A reward or value model's score at every position, plus its config's score_bias (reward.py)."""
+    """A reward or value model's score at every position, plus its config's score_bias."""
     scores = []
     hook = model.score.register_forward_hook(lambda module, inputs, output: scores.append(output[..., 0].float()))
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
@@ -764,13 +762,13 @@ def head_scores(model, input_ids, attention_mask):
 
 
 def sequence_scores(model, input_ids, attention_mask):
-    """A reward model's score at each row's last real token."""
+    """A reward model's score at each row's last token."""
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)
     return head_scores(model, input_ids, attention_mask)[rows, last_token_index(attention_mask)]
 
 
 def make_optimizer(model, args):
-    """AdamW or TF-style Adam, the LR schedule, and what --resume_from restores."""
+    """AdamW or TF-style Adam, the LR schedule, what --resume_from restores."""
     if args.optimizer == "adam_tf":
         optimizer = AdamTF(model.parameters(), lr=args.learning_rate, eps=args.adam_epsilon)
     else:
@@ -825,7 +823,7 @@ def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_
         extra = -input_ids.shape[1] % 64
         input_ids = F.pad(input_ids, (extra, 0), value=pad_token_id)
         attention_mask = F.pad(attention_mask, (extra, 0), value=0)
-    # the log-probs' distribution: no top_k or top_p (neither the folder's generation_config nor HF's top_k 50)
+    # the log-probs' distribution: no top_k or top_p (not the folder's generation_config, nor HF's top_k 50)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
     config = GenerationConfig(**(sampling or {"do_sample": False}), max_new_tokens=max_new_tokens,
                               eos_token_id=eos_token_id, pad_token_id=pad_token_id,
@@ -844,7 +842,7 @@ def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_
 
 def sample_rollout(model, prompts, rollout_index, args, eos_token_id, pad_token_id):
     """Completions in chunks round-robin over the ranks, each seeded by (seed, rollout, chunk): the same on any number
-    of processes and on resume. Rollout None: greedy, evaluation's chunks."""
+    of processes and on resume; rollout None: greedy."""
     device, rank, greedy = next(model.parameters()).device, dist.get_rank(), rollout_index is None
     n, width = len(prompts), args.max_completion_length
     chunk_size = args.per_device_eval_batch_size if greedy else args.local_rollout_forward_batch_size
@@ -864,7 +862,7 @@ def sample_rollout(model, prompts, rollout_index, args, eos_token_id, pad_token_
 
 
 def rollout_mini_batches(rollout_index, passes, args, group=1):
-    """`passes` passes over a rollout, each a fresh order of its groups of rows, in num_mini_batches."""
+    """`passes` passes over a rollout, each a fresh order of its groups of rows, in mini-batches."""
     for iteration in range(passes):
         seed = (args.seed * 100_003 + rollout_index) * 100_003 + iteration
         order = torch.randperm(args.rollout_batch_size // group, generator=torch.Generator().manual_seed(seed))
@@ -874,7 +872,7 @@ def rollout_mini_batches(rollout_index, passes, args, group=1):
 
 
 def optimizer_step(model, optimizer, scheduler, loss, step, args):
-    """Clip the gradient norm, update unless guard_step stops the run, step the schedule once."""
+    """Clip the gradient norm, update unless guard_step stops the run, step the schedule."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf).full_tensor()
     stop = guard_step(loss, grad_norm, step, args)
     optimizer.step()
@@ -885,12 +883,12 @@ def optimizer_step(model, optimizer, scheduler, loss, step, args):
 
 
 def is_due(step, every, args):
-    """Whether to log or evaluate after `step`: every `every` steps (-1: never) and the last."""
+    """Every `every` steps (-1: never) and the last."""
     return step == args.num_training_steps or (every > 0 and step % every == 0)
 
 
 def reduce_sums(sums):
-    """{name: this rank's sum} -> {name: the sum over ranks}, one all-reduce."""
+    """{name: this rank's sum} -> {name: the sum over ranks}."""
     names = sorted(sums)
     totals = torch.stack([sums[name].float() for name in names])
     dist.all_reduce(totals)
@@ -898,7 +896,7 @@ def reduce_sums(sums):
 
 
 def log_metrics(metrics, path, args, progress, samples=None):
-    """Rank 0 prints the metrics (and samples), writes them to metrics.jsonl and wandb."""
+    """Rank 0 prints the metrics (and samples), to metrics.jsonl and wandb."""
     if dist.get_rank() != 0:
         return
     progress.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
@@ -915,8 +913,8 @@ def log_metrics(metrics, path, args, progress, samples=None):
 
 
 def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
-    """checkpoints/step_N: the arguments, each rank's scheduler, RNG and loop state, then model and optimizer (DCP,
-    sharded: its .metadata, written last, marks it complete). If `stop` (a signal), the exit."""
+    """checkpoints/step_N: the arguments, each rank's scheduler, RNG and loop state, then model and optimizer (DCP:
+    its .metadata, written last, marks it complete); if `stop`, the exit."""
     rank, path = dist.get_rank(), os.path.join(args.output_dir, "checkpoints", f"step_{step}")
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)  # a crash's, or a restarted run's old step
@@ -939,18 +937,17 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
 
 def complete_checkpoints(output_dir):
     """output_dir's complete checkpoints, oldest first."""
-    root = os.path.join(output_dir, "checkpoints")
-    found = [f"{root}/{name}" for name in (os.listdir(root) if os.path.isdir(root) else [])]
-    return sorted(filter(is_complete, found), key=lambda path: json.load(open(f"{path}/checkpoint.json"))["step"])
+    found = filter(is_complete, glob.glob(os.path.join(glob.escape(output_dir), "checkpoints", "*")))
+    return sorted(found, key=lambda path: json.load(open(f"{path}/checkpoint.json"))["step"])
 
 
 def is_complete(path):
-    """A checkpoint folder with its arguments and .metadata."""
+    """With its arguments and .metadata."""
     return os.path.exists(f"{path}/checkpoint.json") and os.path.exists(f"{path}/.metadata")
 
 
 def load_checkpoint(path, model, optimizer, scheduler, args):
-    """A checkpoint of this run restored on any number of processes (DCP reshards)."""
+    """A checkpoint of this run restored on any number of processes."""
     manifest = check_checkpoint(path, args)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state["state"]}
@@ -972,8 +969,7 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
 
 
 def finish(model, tokenizer, args, device):
-    """The full weights gathered (a collective) into a Hugging Face folder by rank 0, the peak memory printed, wandb
-    and the process group closed."""
+    """The full weights gathered into a Hugging Face folder, the peak memory printed, wandb and the group closed."""
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     kept = dict(model.named_parameters()) | dict(model.named_buffers())  # not a tied head's copy
     state_dict = {name: tensor for name, tensor in state_dict.items() if name in kept}
@@ -1000,8 +996,8 @@ class ScriptError(ValueError):
 
 
 def guard_run(args, auto):
-    """Errors as one line, signals as a checkpoint, bars and logs at a terminal only, numbers their type rules out
-    refused (a batch size of 0, NaN), output_dir claimed."""
+    """Errors as one line, signals as a checkpoint, bars and logs at a terminal only, numbers their types rule out
+    refused, output_dir claimed."""
     sys.excepthook = report_error
     signal.signal(signal.SIGTERM, request_stop)  # preemption: torchrun forwards it to every process
     signal.signal(signal.SIGINT, request_stop)
@@ -1022,7 +1018,7 @@ def guard_run(args, auto):
 
 
 def report_error(kind, error, traceback):
-    """sys.excepthook: a ScriptError is one line from the first process, exit 2 everywhere."""
+    """sys.excepthook: a ScriptError is one line from the first process, exit 2."""
     if not isinstance(error, ScriptError):
         return sys.__excepthook__(kind, error, traceback)
     if os.environ.get("RANK", "0") == "0":
@@ -1054,7 +1050,7 @@ def claim_output_dir(args, auto):
 
 
 def output_dir_verdict(args, auto, token):
-    """The first process's refusal or None: a flock held for the run's life; another run's folder unless continued."""
+    """The first process's refusal or None: a flock for the run's life; another run's folder unless continued."""
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         lock = open(os.path.join(args.output_dir, ".lock"), "a+")
@@ -1087,8 +1083,8 @@ def request_stop(signum, frame):
 
 
 def guard_step(loss, grad_norm, step, args):
-    """One all-reduce: a non-finite loss or norm anywhere, or a first step with no gradient at all, stops the run
-    before the update; a signal anywhere, after it."""
+    """One all-reduce: a non-finite loss or norm anywhere, or a first step without gradient, stops the run before the
+    update; a signal anywhere, after it."""
     no_gradient = (grad_norm == 0) & (loss != 0) & (step == 1)
     flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(grad_norm), no_gradient,
                          torch.tensor(bool(STOP_SIGNALS), device=grad_norm.device)]).float()
@@ -1106,7 +1102,7 @@ def guard_step(loss, grad_norm, step, args):
 
 
 def check_local_path(path, what, auto_class=None):
-    """A local path that is not there, refused before the hub retries it for a minute."""
+    """A missing local path, refused before the hub retries it for a minute."""
     meant_local = path.startswith(("/", "./", "../", "~")) or ("/" in path and os.path.isdir(path.split("/")[0]))
     meant_local |= path.endswith(DATA_EXTENSIONS)  # a file, not a hub id
     if meant_local and not os.path.exists(os.path.expanduser(path)):
@@ -1117,14 +1113,14 @@ def check_local_path(path, what, auto_class=None):
 
 
 def loading_error(auto_class, path, flag, error):
-    """Why a model or tokenizer does not load: no such name, or HF's reason."""
+    """Why it does not load: no such name, or HF's reason."""
     if not os.path.exists(path):
         return ScriptError(f"{flag} {path!r}: no such folder, nor on the hub ({str(error).splitlines()[0]})")
     return ScriptError(f"{flag} {path!r} does not load with {auto_class.__name__}: {error}")
 
 
 def check_weights(model, info, path, flag):
-    """No weight missing (HF would make it up) or left over (a reward model given as a causal LM)."""
+    """No weight missing (HF would make it up) or left over (a reward model as a causal LM)."""
     problems = [f"no weights for {sorted(info['missing_keys'])}"] if info["missing_keys"] else []
     problems += [f"weights {sorted(info['unexpected_keys'])} it does not use"] if info["unexpected_keys"] else []
     if problems:
@@ -1147,7 +1143,7 @@ DATASETS_METADATA = {"dataset_infos.json", "dataset_info.json", "state.json", "d
 
 
 def check_split_files(folder, splits):
-    """Every data file of a folder in a split (datasets skips files without a split word once one has it)."""
+    """Every data file of a folder in a split (datasets skips files without a split word once one has one)."""
     used = {os.path.realpath(f) for files in splits.values() for f in files}
     skipped = [os.path.relpath(f, folder) for f in glob.glob(f"{folder}/**/*", recursive=True)  # hidden ones aside
                if f.endswith(DATA_EXTENSIONS) and os.path.basename(f) not in DATASETS_METADATA
@@ -1182,8 +1178,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def check_columns(dataset, args, split, tokenizer):
-    """Text, not numbers ("0457" read as 457); messages with a role and text; no text spelling a special token (it
-    would become one: a fake turn, an early EOS)."""
+    """Text, not numbers ("0457" read as 457); messages with a role and text; no text spelling a special token (a
+    fake turn, an early EOS)."""
     specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special})
     names = ["prompt", "completion", "chosen", "rejected", "messages", getattr(args, "prompt_column", "prompt"),
              getattr(args, "answer_column", "answer")]
@@ -1251,7 +1247,7 @@ def check_rewards(rewards, sources):
 
 
 def check_linear_head(model, head, hidden, logits):
-    """HeadLogprobs needs logits linear in the last hidden state (no logit scale nor soft-capping)."""
+    """HeadLogprobs needs logits linear in the last hidden state (no logit scale or soft-capping)."""
     with torch.no_grad():
         difference = (F.linear(hidden, head.weight, head.bias).float() - logits.float()).abs()
     if (difference > 0.02 * (1 + logits.float().abs().max())).any():
@@ -1261,7 +1257,7 @@ def check_linear_head(model, head, hidden, logits):
 
 def check_checkpoint(path, args):
     """The manifest of a complete checkpoint of this run (the same arguments but Resumable ones); its .metadata read
-    through an allow-list, with no bytes entry (DCP unpickles those), first: loading one runs no planted code."""
+    through an allow-list, with no bytes entry (DCP unpickles those): loading runs no planted code."""
     if not is_complete(path):
         raise ScriptError(f"--resume_from {path!r} is not a complete checkpoint: --resume_from auto finds one")
     allowed = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),

@@ -26,12 +26,14 @@ from grpo import (
     generate_completions,
     grpo_loss,
     group_advantages,
+    has_spread,
     kl_estimate,
     loss_normaliser,
     make_batch,
     online_dpo_loss,
     parse_answer,
     rejection_sample,
+    rollout_rewards,
     shard_model,
     tokenize_prompts,
     unsharded,
@@ -204,6 +206,29 @@ def test_advantages_for_each_scale_rewards():
                                                                                        scale_rewards="group"))
     assert advantages[:4].tolist() == [0.0] * 4 and advantages[4:].abs().min() > 0.01
     assert zero_std.tolist() == [True, False]
+
+
+# ---------------------------------------------------------------------------------------------- DAPO
+def test_dynamic_sampling_decides_on_the_outcome_per_group(toy):
+    """A group has a spread when its outcomes lie more than 1e-5 apart: not with all equal, nor with a reward model's
+    near-equal scores of one text (-9.872700 scored alone, -9.872703 beside other rows); yes with one odd completion,
+    the whole group (rloo's advantages then move every row of it). The outcome is the verifier's, whatever the reward
+    mix: a group all wrong whose rewards differ by the missing-EOS penalty has none (its shaping alone would pass)."""
+    outcomes = torch.tensor([1.0, 1, 1, 1, -9.872700, -9.872703, -9.872700, -9.872701, 0, 0, 1, 0, 0.5, 0.5, 0.5, 0.5])
+    assert has_spread(outcomes, 4).tolist() == [False, False, True, False]
+    rloo, _ = group_advantages(outcomes, torch.ones(16), 4, SimpleNamespace(advantage_estimator="rloo"))
+    assert rloo.view(4, 4)[2].abs().min() > 0.3 and not rloo.view(4, 4)[[0, 1, 3]].any()
+    tokenizer = AutoTokenizer.from_pretrained(toy / "model")
+    right, wrong = (tokenizer(" " + text)["input_ids"] for text in ("12", "21"))
+    completions = [wrong + [tokenizer.eos_token_id], wrong, right + [tokenizer.eos_token_id], wrong]
+    rollout = {"completion": completions, "answer": ["12"] * 4}
+    args = SimpleNamespace(reward_fn="exact_match", reward_fn_weight=1.0, missing_eos_penalty=0.5,
+                           reward_model_path=None)
+    scored = rollout_rewards(rollout, None, tokenizer, 0, args, torch.device("cpu"))
+    assert scored["reward"].tolist() == [0.0, -0.5, 1.0, -0.5]
+    assert scored["ended"].tolist() == [True, False, True, False]
+    assert has_spread(scored["outcome"], 2).tolist() == [False, True]
+    assert has_spread(scored["reward"], 2).tolist() == [True, True]
 
 
 # ------------------------------------------------------------------------------------ rejection sampling
@@ -685,6 +710,8 @@ def test_bad_input(toy, tmp_path):
         (toy / "prompts", ["--policy_loss", "dpo", "--advantage_estimator", "rloo", "--scale_rewards", "none",
                            "--importance_sampling_level", "sequence", "--kl_estimator", "k1"],
          "and ['--advantage_estimator', '--scale_rewards', '--importance_sampling_level', '--kl_estimator']"),
+        # DAPO's dynamic sampling: at least one round
+        (toy / "prompts", ["--dynamic_sampling", 0], "--dynamic_sampling 0: must be at least 1"),
     ]:
         error, _ = run_in_process("grpo.py", grpo_args(toy / "model", data, tmp_path / "out", *extra))
         assert isinstance(error, ValueError) and message in str(error), (message, repr(error))
@@ -748,7 +775,9 @@ def test_conversational_prompts_gradient_checkpointing_and_tracking(toy, sft_mod
 def test_reward_model_scores(toy, tmp_path):
     """A reward model folder whose head is zero and whose config.score_bias is 0.75 (reward.py's normalisation):
     every completion scores exactly 0.75 x reward_model_weight, so every group has zero std and zero advantage, and
-    each logged window says that nothing but the KL term trained (such a run once ended without a word)."""
+    each logged window says that nothing but the KL term trained (such a run once ended without a word). Dynamic
+    sampling (with rejection sampling and rloo) finds no group with a spread in its 2 rounds of 2 prompts x 10
+    candidates: it trains on 2 groups without, and says so."""
     rm = AutoModelForSequenceClassification.from_pretrained(toy / "model", num_labels=1)
     torch.nn.init.zeros_(rm.score.weight)
     rm.config.score_bias = 0.75
@@ -771,10 +800,20 @@ def test_reward_model_scores(toy, tmp_path):
             2,
             "--per_device_eval_batch_size",
             100,
+            "--dynamic_sampling",
+            2,
+            "--num_candidates",
+            10,
+            "--rejection_sampling_beta",
+            1.0,
+            "--advantage_estimator",
+            "rloo",
         ),
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
     rows = read_metrics(tmp_path / "out")
+    dynamic = {"rounds": 2, "groups_filtered": 2, "groups_short": 2}
+    assert [{name: r[f"dynamic_sampling/{name}"] for name in dynamic} for r in rows] == [dynamic] * 2
     assert [r["objective/scores"] for r in rows] == [1.5, 1.5] and [r["frac_reward_zero_std"] for r in rows] == [
         1.0,
         1.0,

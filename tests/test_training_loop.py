@@ -68,8 +68,8 @@ PPO = [
 RL = {"grpo.py": GRPO, "ppo.py": PPO}
 # online DPO in grpo.py: the same rollouts, each group's best and worst completion a pair (8 pairs a rollout), by the
 # verifier plus a reward model (its scores shared out over the ranks); a micro-batch holds whole pairs, so (2, 2, 2)
-# stands in for (2, 1, 4)
-ONLINE_DPO = "grpo.py --policy_loss dpo"
+# stands in for (2, 1, 4). With DAPO's dynamic sampling: up to 3 rounds a rollout, until 8 groups have a pair
+ONLINE_DPO = "grpo.py --policy_loss dpo --dynamic_sampling 3"
 UNTIMED = lambda rows: [
     {k: v for k, v in r.items() if k != "tokens_per_second" and not k.startswith("time/")} for r in rows
 ]
@@ -139,7 +139,7 @@ def split_runs(request, toy, tmp_path_factory):
 
 
 def test_split_invariance(split_runs):
-    script, model, _, runs, _ = split_runs
+    script, model, _, runs, extra = split_runs
     reference = runs[SPLITS[0]]
     ref_rows, ref_params = read_metrics(reference), load_file(reference / "model.safetensors")
     for split, out in runs.items():
@@ -169,6 +169,9 @@ def test_split_invariance(split_runs):
             assert got == pytest.approx(want, rel=0, abs=rel * scale + 1e-6), (script, split, key)
         for name, value in params.items():
             torch.testing.assert_close(value, ref_params[name], atol=1e-5, rtol=1e-5, msg=f"{script} {split} {name}")
+    # dynamic sampling did sample again (some rounds' groups had no spread) and fill the rollouts
+    if "--dynamic_sampling" in extra:
+        assert max(r["dynamic_sampling/rounds"] for r in ref_rows) > 1, ref_rows
     # the runs did train: the weights moved far more than the tolerance, so the comparison is not between idle models
     initial = load_file(model / "model.safetensors")
     assert max((ref_params[name] - initial[name]).abs().max().item() for name in initial if name in ref_params) > 1e-3
