@@ -206,6 +206,16 @@ def score_run(runner, name, seed, sums):
     return (*exact_match(name, seed), {})
 
 
+def sampled_so_far(rows):
+    """{step: completions sampled up to it}: a rollout's completions (episode's step; one step a rollout here) times its
+    rounds of dynamic sampling."""
+    total, episode, sampled = 0, 0, {}
+    for row in rows:
+        total += row.get("dynamic_sampling/rounds", 1) * (row["episode"] - episode)
+        episode, sampled[row["step"]] = row["episode"], total
+    return sampled
+
+
 def exploits(name, seed, count=3):
     """Up to `count` (prompt, greedy answer) of a run's final model that the verifier calls wrong."""
     model, tok = load_causal_lm(f"{OUT}/{name}_s{seed}")
@@ -320,6 +330,10 @@ FINDINGS += [
                             steps(50, 2)]),
       ("GRPO (sequence)", grpo, SUMS_GRPO)],
      ["rewards/margins", "logps/chosen", "logps/rejected", "completions/mean_length"]),
+    ("dynamic_sampling", "Running sums, GRPO (--loss_type sequence, G 8): DAPO's dynamic sampling (up to 4 rounds a "
+     "rollout) against none",
+     [("G 8", grpo, SUMS_GRPO), ("dynamic sampling, 4 rounds", grpo, [*SUMS_GRPO, "--dynamic_sampling", 4])],
+     ["frac_reward_zero_std", "dynamic_sampling/rounds", "eval/scores", "time/rollout"]),
 ]
 ONLY = os.environ.get("ONLY")  # the findings to run, comma-separated (default: all)
 UNKNOWN = sorted(set((ONLY or "").split(",")) - {finding[0] for finding in FINDINGS} - {""})
@@ -363,6 +377,10 @@ def main():
                 if finding == "overoptimisation":  # gold against the KL logged at the same step
                     kl = {0: 0.0} | {r["step"]: r["objective/kl"] for r in rows}
                     panels = {"exact match against objective/kl": [(kl[step], v) for step, v in curve]}
+                if finding == "dynamic_sampling":  # accuracy against the completions sampled so far
+                    sampled = sampled_so_far(rows)
+                    panels["eval/scores against completions sampled"] = [(sampled[r["step"]], r["eval/scores"])
+                                                                         for r in rows if "eval/scores" in r]
                 results[finding].setdefault(label, []).append({"rows": rows, "exact_match": em, "curve": curve,
                                                                "panels": panels})
                 last = " | ".join(f"{rows[-1][m]:.4g}" if m in rows[-1] else "-" for m in metrics)
@@ -386,6 +404,14 @@ def main():
             for label, runner, flags in runs:
                 wrong = exploits(folder_name(runner, flags), SEEDS[0])
                 table.append(f"- {label}: " + ("; ".join(f"{p!r} -> {a!r}" for p, a in wrong) or "none"))
+        if finding == "dynamic_sampling":  # what each run sampled, and its accuracy at each evaluation
+            table += ["", "Completions sampled in all; eval/scores (greedy accuracy) at each evaluation:", ""]
+            for label, by_seed in results[finding].items():
+                for seed, result in zip(SEEDS, by_seed):
+                    rows = result["rows"]
+                    evals = ", ".join(f"{r['step']}: {r['eval/scores']:.3f}" for r in rows if "eval/scores" in r)
+                    table.append(f"- {label}, seed {seed}: {sampled_so_far(rows)[rows[-1]['step']]:,.0f} completions; "
+                                 f"{evals}")
         table.append("")
         draw(finding, title, results[finding], metrics, sums, weights)
     seconds = time.time() - start
@@ -430,7 +456,7 @@ def draw(finding, title, runs, metrics, sums, weights=None):
                     else None, label=label if k == 0 else None)
         ax.set_title(panel, fontsize=9)
         ax.set_xlabel("numbers in the prompt" if "by count" in panel else "objective/kl" if "against objective/kl" in
-                      panel else "optimizer step")
+                      panel else "completions sampled" if "against completions" in panel else "optimizer step")
         if panel in (legend, *list(lines)[len(panels) :]):
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(lines) :]:
