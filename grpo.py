@@ -3,7 +3,7 @@ verifier and/or a reward model), take each reward relative to its group as the a
 tokens, and optimise PPO's clipped surrogate with a KL penalty to the reference model in the loss. No value model.
 Paper: arXiv:2402.03300 (DeepSeekMath, Sec. 4.1). Variants (README): DAPO, Dr. GRPO, GSPO, CISPO, RLOO, REINFORCE++,
 rejection sampling (RSO), online DPO. Unlike the paper: --loss_type token (DAPO) by default; outcome rewards only; a
-group of equal rewards gets 0 advantage; rollouts do not depend on the number of processes.
+group of equal rewards gets 0 advantage.
 Run (the toy task's: README):
       torchrun --nproc_per_node 8 grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
           --dataset_name gsm8k_prompts.jsonl --reward_fn gsm8k --max_completion_length 512 --track
@@ -108,11 +108,11 @@ class Args:
     gradient_checkpointing: Resumable[bool] = False
     """recompute activations in the backward to save memory"""
     cpu_offload: Resumable[Offload] = False
-    """parameters, gradients and optimizer state in CPU memory (FSDP2's CPUOffloadPolicy)"""
+    """parameters, gradients, optimizer state in CPU memory (FSDP2's CPUOffloadPolicy)"""
     shard_degree: Resumable[ShardDegree] = -1
-    """shard each model over groups of this many processes (-1: all), replicated across the groups (HSDP)"""
+    """shard each model over groups of this many processes (-1: all), replicated across them (HSDP)"""
     reshard_after_forward: Resumable[bool] = True
-    """free gathered parameters after each layer's forward (False: faster, more memory)"""
+    """free gathered parameters after a layer's forward (False: faster, more memory)"""
     log_every: Resumable[AtLeast1] = 10
     """log every this many optimizer steps"""
     eval_every: Resumable[OffOrAtLeast1] = -1
@@ -128,7 +128,7 @@ class Args:
     world_size: Resumable[Suppress[Optional[int]]] = None
     """(computed) processes"""
     batch_size: Suppress[Optional[int]] = None
-    """(computed) an optimizer step's global batch: processes x micro-batch x accumulation steps"""
+    """(computed) an optimizer step's global batch: processes x micro-batch x accumulation"""
     num_training_steps: Suppress[Optional[int]] = None
     """(computed) the run's optimizer steps"""
     rollout_batch_size: Resumable[Suppress[Optional[int]]] = None
@@ -154,7 +154,7 @@ class Args:
     temperature: Positive = 1.0
     """sampling temperature (log-probs from logits / T; online DPO's at 1)"""
     cache_implementation: Resumable[Literal["dynamic", "static"]] = "dynamic"
-    """generation's KV cache (static: compiled on a GPU, faster from the second rollout)"""
+    """generation's KV cache (static: compiled on a GPU, faster after the first rollout)"""
     reward_fn: Optional[Literal["exact_match", "last_number", "gsm8k"]] = "exact_match"
     """the verifier against the answer column (None: none)"""
     prompt_column: str = "prompt"
@@ -171,13 +171,16 @@ class Args:
     """subtracted from the reward of a completion without EOS"""
     mask_truncated_completions: bool = False
     """completions without EOS out of the loss (DAPO's overlong filtering)"""
+    overlong_buffer: Optional[AtLeast1] = None
+    """DAPO's soft overlong punishment: 0 to -overlong_penalty_factor over the last this many tokens"""
+    overlong_penalty_factor: NonNegative = 1.0
+    """see overlong_buffer"""
     dynamic_sampling: AtLeast1 = 1
-    """DAPO's dynamic sampling: up to this many rounds of prompts a rollout, keeping groups whose outcome varies"""
+    """DAPO's dynamic sampling: up to this many rounds of prompts a rollout, for groups with a spread"""
 
     # GRPO and its variants (the README's table)
     policy_loss: Literal["clip", "cispo", "dpo"] = "clip"
-    """clip: PPO's clipped surrogate; cispo: the clipped weight times A log pi;
-    dpo: online DPO (no flag below but --beta)"""
+    """clip: PPO's clipped surrogate; cispo: clipped weight x A log pi; dpo: online DPO (no flag below but --beta)"""
     beta: NonNegative = 0.04
     """weight of the KL penalty in the loss (0: no reference model); online DPO's beta"""
     advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
@@ -217,15 +220,15 @@ def verifier_reward(completion, answer, reward_fn):
 
 def has_spread(values, group_size):
     """Groups (consecutive rows) of values over 1e-5 apart (not std > 0: a reward model's noise)."""
-    groups = values.view(-1, group_size)
-    return groups.max(1).values - groups.min(1).values >= 1e-5
+    low, high = values.view(-1, group_size).aminmax(dim=1)
+    return high - low >= 1e-5
 
 
 def group_advantages(rewards, num_tokens, group_size, args):
-    """A completion's advantage for all its tokens (Sec. 4.1.2 of arXiv:2402.03300), groups of consecutive rows. grpo:
-    (r - group mean) / (std + 1e-4), the std of the group, rollout (batch) or none (Dr. GRPO); rloo: r - the others'
-    mean (arXiv:2402.14740); both 0 without spread. reinforce_plus_plus: r whitened over the rollout's tokens
-    (arXiv:2501.03262); _baseline: r - group mean, whitened. And the groups without spread."""
+    """A completion's advantage for all its tokens (Sec. 4.1.2 of arXiv:2402.03300); the groups without spread.
+    grpo: (r - group mean) / (std + 1e-4), the std of the group, rollout (batch) or none (Dr. GRPO); rloo: r - the
+    others' mean (arXiv:2402.14740); both 0 without spread. reinforce_plus_plus: r whitened over the rollout's tokens
+    (arXiv:2501.03262); _baseline: r - group mean, whitened."""
     groups, zero_std = rewards.view(-1, group_size), ~has_spread(rewards, group_size)
     advantages = groups - groups.mean(1, keepdim=True)
     if args.advantage_estimator.startswith("reinforce_plus_plus"):
@@ -244,10 +247,9 @@ def group_advantages(rewards, num_tokens, group_size, args):
 
 
 def rejection_sample(rewards, keep, beta, generator):
-    """RSO's Algorithm 1 (arXiv:2309.06657) on each row of `rewards` (a prompt's candidates): passes over those left,
-    in random order, keeping each with probability exp((r - r_max) / beta) until `keep` are; flat indices."""
-    if not (torch.isfinite(rewards).all() and beta > 0):  # else a pass might keep no candidate, forever
-        raise ValueError(f"rejection sampling needs finite rewards and a beta above 0, not {beta}")
+    """RSO's Algorithm 1 (arXiv:2309.06657) on each row of `rewards`: passes over those left, in random order,
+    keeping each with probability exp((r - r_max) / beta) until `keep` are; flat indices. Finite rewards, beta > 0
+    (checked before): else a pass might keep none, forever."""
     kept = []
     for row, r in enumerate(rewards.tolist()):
         left, chosen = torch.randperm(len(r), generator=generator).tolist(), []
@@ -262,7 +264,7 @@ def rejection_sample(rewards, keep, beta, generator):
 
 
 def best_and_worst(rewards):
-    """Online DPO's pairs: each row's first best and first worst, as flat indices."""
+    """Online DPO's pairs: each row's first best and worst, as flat indices."""
     pairs = torch.stack([rewards.argmax(1), rewards.argmin(1)], 1)
     return (pairs + rewards.shape[1] * torch.arange(len(rewards))[:, None]).flatten().tolist()
 
@@ -296,8 +298,8 @@ def loss_normaliser(completion_mask, args):
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, args):
     """Eq. 3 of arXiv:2402.03300 as a loss: per token -min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A) (or
-    CISPO's) + beta KL, ratio = pi / pi_old (or GSPO's per completion), summed over `mask` (sequence: each
-    completion's mean), over `normaliser`; the ratio and policy loss."""
+    CISPO's) + beta KL, ratio = pi / pi_old (or GSPO's), summed over `mask` (sequence: each completion's mean), over
+    `normaliser`; the ratio and policy loss."""
     log_ratio, A = logps - old_logps, advantages[:, None]
     if args.importance_sampling_level == "sequence":  # GSPO, Eq. 7 of arXiv:2507.18071: one ratio per completion
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
@@ -315,7 +317,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, args):
 
 def online_dpo_loss(logps, ref_logps, mask, normaliser, beta):
     """DPO's -log sigmoid(beta h) (Eq. 7 of arXiv:2305.18290), h = log(pi / pi_ref) of the chosen minus the rejected's,
-    rows (chosen, rejected), over pairs with both in `mask`, over `normaliser`; dpo.py's metrics."""
+    rows (chosen, rejected), over pairs in `mask`, over `normaliser`; dpo.py's metrics."""
     logps, ref_logps = (logps * mask).sum(1).view(-1, 2), (ref_logps * mask).sum(1).view(-1, 2)
     rewards, in_loss = beta * (logps - ref_logps), mask[:, 0].view(-1, 2).prod(1) / normaliser  # no empty row
     chosen, rejected = rewards.unbind(1)
@@ -326,19 +328,22 @@ def online_dpo_loss(logps, ref_logps, mask, normaliser, beta):
 
 
 def loss_temperature(args):
-    """The sampling one, but 1 in online DPO, as in DPO (sampling only picks its pairs)."""
+    """1 in online DPO, as in DPO (sampling picks its pairs); else the sampling one."""
     return 1.0 if args.policy_loss == "dpo" else args.temperature
 
 
 @torch.no_grad()
 def rollout_rewards(rollout, reward_model, tokenizer, pad_token_id, args, device):
-    """reward_fn_weight x verifier - missing_eos_penalty x (no EOS) + reward_model_weight x the reward model's score
-    (finite), which completions ended, and the outcome: the verifier's, else the score."""
+    """reward_fn_weight x verifier - missing_eos_penalty x (no EOS) - the overlong punishment + reward_model_weight x
+    score (finite), which completions ended, the outcome: the verifier's, else the score."""
     texts = tokenizer.batch_decode(rollout["completion"], skip_special_tokens=True)
     correct = torch.tensor([verifier_reward(t, a, args.reward_fn) if args.reward_fn else 0.0
                             for t, a in zip(texts, rollout["answer"])], device=device)
     ended = torch.tensor([c[-1] == tokenizer.eos_token_id for c in rollout["completion"]], device=device)
     rewards = args.reward_fn_weight * correct - args.missing_eos_penalty * (~ended).float()
+    if args.overlong_buffer:  # DAPO's Eq. 13 x the factor, EOS counted (as TRL, verl)
+        too_long = (rollout["length"] - args.max_completion_length) / args.overlong_buffer + 1
+        rewards -= args.overlong_penalty_factor * too_long.clamp(0, 1)
     scores = (args.reward_model_weight * frozen_pass(reward_model, rollout, pad_token_id, args, scores=True)[:, 0]
               if reward_model else torch.zeros_like(rewards))
     sources = [f"--reward_fn {args.reward_fn}", f"--reward_model_path {args.reward_model_path}"]
@@ -348,7 +353,7 @@ def rollout_rewards(rollout, reward_model, tokenizer, pad_token_id, args, device
 
 @torch.no_grad()
 def frozen_pass(net, rollout, pad_token_id, args, scores=False):
-    """Log-probs of the completions at the loss's temperature, or a reward model's scores: rank shares, summed."""
+    """Log-probs of the completions at the loss's temperature, or a reward model's scores."""
     device = next(net.parameters()).device
     table = torch.zeros(len(rollout["prompt"]), 1 if scores else args.max_completion_length, device=device)
     for rows, valid in rank_micro_batches(len(table), args.local_rollout_forward_batch_size):
@@ -363,7 +368,7 @@ def frozen_pass(net, rollout, pad_token_id, args, scores=False):
 
 
 def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token_id):
-    """One step's gradients from this rank's micro-batches of the global mini-batch `mini`, statistics in `sums`."""
+    """One step's gradients from this rank's micro-batches of `mini`, statistics in `sums`."""
     device, step_loss = next(model.parameters()).device, 0.0
     for micro in micro_batches(mini, args):
         input_ids, attention_mask, completion_mask = batch_on(device, rollout["prompt"], rollout["completion"], micro,
@@ -380,26 +385,22 @@ def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token
             (loss, ratio, policy_loss), pair_stats = grpo_loss(logps, old, ref, A[:, 0], mask, normaliser, args), {}
         loss.backward()
         step_loss += loss.detach()
-        with torch.no_grad():  # sums over loss tokens
+        with torch.no_grad():
             kl = kl_estimate(logps, ref, old, "k3") if ref is not None else 0 * logps
             token_stats = {"loss/policy_avg": policy_loss, "policy/approxkl_avg": 0.5 * (logps - old) ** 2,
                            "objective/entropy": entropy, "val/ratio": ratio, "val/ratio_squared": ratio**2,
                            "clip_ratio/low": (ratio < 1 - args.epsilon) & (A < 0) & (args.policy_loss == "clip"),
                            "clip_ratio/high": (ratio > 1 + args.epsilon_high) & (A > 0) & (args.policy_loss != "dpo"),
                            "objective/kl": kl}
-            for name, values in token_stats.items():
-                if values is not None:  # None: online DPO's policy loss
-                    sums[name] += (values * mask).sum()
-            for name, value in pair_stats.items():
+            stats = {name: (v * mask).sum() for name, v in token_stats.items() if v is not None}  # None: online DPO's
+            stats |= pair_stats | {"loss": loss.detach(), "tokens": mask.sum(), "processed": attention_mask.sum()}
+            for name, value in stats.items():
                 sums[name] += value
-            sums["loss"] += loss.detach()
-            sums["tokens"] += mask.sum()
-            sums["processed"] += attention_mask.sum()
     return step_loss
 
 
 def window_metrics(w, steps, seconds, args):
-    """The metrics since the last log from their sums: per loss token, per completion (KL), per step."""
+    """The metrics since the last log: per loss token, per completion (KL), per step."""
     tokens, per_token = max(w.pop("tokens"), 1.0), ("loss/", "policy/", "objective/entropy", "val/ratio", "clip")
     metrics = {"tokens_per_second": w.pop("processed") / seconds,
                "objective/kl": w.pop("objective/kl") / steps / args.batch_size}
@@ -410,7 +411,7 @@ def window_metrics(w, steps, seconds, args):
 
 
 def main(args):
-    # 1. distributed init, computed batch sizes, argument checks
+    # 1. distributed init, batch sizes, argument checks
     rank, world_size, device, mesh = setup(args)
     G, dpo = args.num_generations, args.policy_loss == "dpo"
     N = args.num_candidates = args.num_candidates or G
@@ -421,7 +422,8 @@ def main(args):
     if dpo and (unused or args.beta == 0 or args.per_device_train_batch_size % 2):
         raise ScriptError(f"--policy_loss dpo needs --beta above 0, an even --per_device_train_batch_size and none of "
                           f"GRPO's flags, not {args.beta}, {args.per_device_train_batch_size} and {unused}")
-    args.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    if args.epsilon_high is None:
+        args.epsilon_high = args.epsilon
     if args.rollout_batch_size % K:
         raise ScriptError(f"--num_generations {G} does not divide a rollout's {args.rollout_batch_size} completions "
                           f"({world_size} processes x --per_device_train_batch_size x --gradient_accumulation_steps x "
@@ -433,12 +435,14 @@ def main(args):
         raise ScriptError("no reward: set --reward_fn, --reward_model_path, or both")
     if args.scale_rewards != "group" and args.advantage_estimator != "grpo":
         raise ScriptError(f"--scale_rewards applies to --advantage_estimator grpo only, not {args.advantage_estimator}")
+    if args.overlong_penalty_factor != 1 and not args.overlong_buffer:
+        raise ScriptError("--overlong_penalty_factor needs --overlong_buffer (the punishment's tokens)")
 
-    # 2. data: every rank tokenises all prompts (and knows the whole rollout)
+    # 2. data: every rank tokenises all prompts
     tokenizer, pad_token_id, train, test, dropped = load_data(args, tokenize_prompts)
     num_rollouts, steps_per_rollout = rollouts_of(len(train["prompt"]), P, f" x {N}", "--num_iterations", args, dropped)
 
-    # 3. models + FSDP2: the policy, then the frozen reference (the SFT model) and reward model
+    # 3. models + FSDP2: the policy, the frozen reference (the SFT model), the reward model
     path, flag = args.model_name_or_path, "--model_name_or_path"
     model = load_model(AutoModelForCausalLM, path, args, flag, mesh)
     ref_model = load_model(AutoModelForCausalLM, path, args, flag, mesh, frozen=True) if args.beta > 0 else None
@@ -459,30 +463,30 @@ def main(args):
             rows = global_batch(batch, len(train["prompt"]), P, args.seed)
             part = {name: [column[row] for row in rows for _ in range(N)] for name, column in train.items()}
 
-            # 2. sample the completions (seeded by batch and chunk)
+            # 2. sample the completions
             part["completion"], part["length"] = sample_rollout(model, part["prompt"], batch, args,
                                                                 tokenizer.eos_token_id, pad_token_id)
 
-            # 3. the rewards; rejection sampling keeps G of N > G candidates (not the policy's gradient then)
+            # 3. the rewards; rejection sampling keeps G of N (not the policy's gradient then)
             part |= rollout_rewards(part, reward_model, tokenizer, pad_token_id, args, device)
             picked = range(P * N) if N == G else rejection_sample(part["reward"].view(-1, N).cpu(), G,
                                                                   args.rejection_sampling_beta, generator)
             kept += [len(rollout["prompt"]) + i for i in picked]
             for name, column in part.items():
                 rollout[name] += list(column)
-            spread = has_spread(torch.stack(rollout["outcome"])[kept], G)  # dynamic sampling's test
+            spread = has_spread(torch.stack(rollout["outcome"])[kept], G)
             if spread.sum() >= P:
                 break
         rewards = torch.stack(rollout["reward"])
         stats = {"objective/candidate_scores": rewards.mean()} if N > G else {}
-        stats["objective/scores"] = rewards[kept].mean()  # unfiltered, unpaired
+        stats["objective/scores"] = rewards[kept].mean()
         if rounds > 1:  # P groups, those with a spread first
             short = max(P - spread.sum().item(), 0)
             stats |= {"dynamic_sampling/rounds": batch % rounds + 1, "dynamic_sampling/groups_short": short,
                       "dynamic_sampling/groups_filtered": (~spread).sum() - short}
             groups = torch.argsort((~spread).int(), stable=True)[:P].tolist()
             kept = [kept[g * G + i] for g in groups for i in range(G)]
-        if dpo:  # online DPO: each group's best, worst
+        if dpo:  # each group's best, worst
             kept = [kept[i] for i in best_and_worst(rewards[kept].view(-1, G).cpu())]
         rollout = {name: [column[i] for i in kept] for name, column in rollout.items()}
         rewards, lengths, ended = (torch.stack(rollout.pop(name)) for name in ("reward", "length", "ended"))
@@ -520,11 +524,11 @@ def main(args):
                 metrics = {"step": step, "episode": (rollout_index + 1) * args.rollout_batch_size, "lr": lr,
                            "grad_norm": grad_norm.item()}
                 metrics |= window_metrics(reduce_sums(sums), step - logged, time.time() - window_start, args)
-                if is_due(step, args.eval_every, args) and test:  # greedy completions' mean reward
-                    test["completion"], _ = sample_rollout(model, test["prompt"], None, args, tokenizer.eos_token_id,
-                                                           pad_token_id)
-                    scored = rollout_rewards(test, reward_model, tokenizer, pad_token_id, args, device)
-                    metrics["eval/scores"] = scored["reward"].mean().item()
+                if is_due(step, args.eval_every, args) and test:
+                    test["completion"], test["length"] = sample_rollout(model, test["prompt"], None, args,
+                                                                        tokenizer.eos_token_id, pad_token_id)
+                    scored = rollout_rewards(test, reward_model, tokenizer, pad_token_id, args, device)["reward"]
+                    metrics["eval/scores"] = scored.mean().item()
                 if not learned and rank == 0:
                     print(f"steps {logged + 1}-{step}: no advantage or pair in the loss (equal rewards, or masked)")
                 log_metrics(metrics, metrics_path, args, progress, samples)

@@ -287,6 +287,23 @@ DPO_CASES = {
 }
 
 
+# ------------------------------------------------------------------------------------ soft overlong punishment (TRL)
+SOFT_OVERLONG_CASES = [(16, 4), (16, 1), (16, 16), (64, 20)]  # (max_completion_len, soft_punish_cache)
+
+
+def trl_soft_overlong():
+    """TRL's DAPO length reward on completions of 0 to max + 2 tokens (EOS counted, as its trainer counts them)."""
+    from trl.rewards import get_soft_overlong_punishment
+
+    cases = []
+    for max_length, cache in SOFT_OVERLONG_CASES:
+        lengths = list(range(max_length + 3))
+        rewards = get_soft_overlong_punishment(max_length, cache)([[7] * n for n in lengths])
+        cases.append({"max_completion_len": max_length, "soft_punish_cache": cache, "lengths": lengths,
+                      "rewards": rewards})
+    return cases
+
+
 if __name__ == "__main__":
     reference = {"versions": {p: importlib.metadata.version(p) for p in ("trl", "verl", "torch")}}
     inputs = grpo_inputs()
@@ -312,7 +329,9 @@ if __name__ == "__main__":
             "beta": beta,
             **trl_dpo_loss(inputs, trl_type, beta),
         }
+    reference["soft_overlong"] = trl_soft_overlong()
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference.json")
     with open(path, "w") as f:
         json.dump(reference, f, indent=1)
-    print(f"wrote {path}: {len(GRPO_CASES)} grpo losses, 3 advantage estimators, {len(DPO_CASES)} dpo losses")
+    print(f"wrote {path}: {len(GRPO_CASES)} grpo losses, 3 advantage estimators, {len(DPO_CASES)} dpo losses, "
+          "the soft overlong punishment")
