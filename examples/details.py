@@ -306,6 +306,7 @@ SUMS_RUN = ["--model_name_or_path", f"{OUT}/sums_sft", "--dataset_name", f"{SUMS
             "last_number", "--max_completion_length", steps(64, 16), "--max_steps", steps(100), "--save_every",
             steps(50, 2), "--eval_every", steps(25, 2)]
 SUMS_GRPO = [*SUMS_RUN, "--loss_type", "sequence"]  # the GRPO paper's loss: the runs the findings compare against
+SUMS_CUT = [*SUMS_GRPO, "--max_completion_length", steps(40, 12)]  # cuts the longest workings (the last flag wins)
 FINDINGS += [
     ("length_bias", "Running sums, GRPO: each completion's mean loss and the group's std (GRPO) against a constant "
      "divisor and no std (Dr. GRPO)",
@@ -334,6 +335,11 @@ FINDINGS += [
      "rollout) against none",
      [("G 8", grpo, SUMS_GRPO), ("dynamic sampling, 4 rounds", grpo, [*SUMS_GRPO, "--dynamic_sampling", 4])],
      ["frac_reward_zero_std", "dynamic_sampling/rounds", "eval/scores", "time/rollout"]),
+    ("overlong", "Running sums, GRPO (--loss_type sequence), completions cut at 40 tokens: DAPO's soft overlong "
+     "punishment (over the last 8) against masking the truncated completions and against neither",
+     [("cut at 40", grpo, SUMS_CUT), ("masked", grpo, [*SUMS_CUT, "--mask_truncated_completions"]),
+      ("punished, buffer 8", grpo, [*SUMS_CUT, "--overlong_buffer", steps(8, 4)])],
+     ["completions/clipped_ratio", "completions/mean_length", "objective/scores", "eval/scores"]),
 ]
 ONLY = os.environ.get("ONLY")  # the findings to run, comma-separated (default: all)
 UNKNOWN = sorted(set((ONLY or "").split(",")) - {finding[0] for finding in FINDINGS} - {""})
