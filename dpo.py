@@ -1,10 +1,9 @@
 """Direct Preference Optimization (DPO) in one file: the policy learns from preference pairs directly, its implicit
 reward beta * log(pi / pi_ref) replacing a reward model. Paper: arXiv:2305.18290. Also: IPO (arXiv:2310.12036), hinge
 (SLiC, arXiv:2305.10425) and conservative DPO (label smoothing). What differs from the paper: (1) the reference
-log-probabilities are computed once, before training, for the whole training split, and the reference model is freed
-(--no-precompute-ref-logps keeps it and recomputes them online; both give the same losses); (2) dropout is off in
-the policy, so the implicit reward is exactly 0 before the first step; (3) IPO on summed log-probabilities (--loss_type
-ipo; TRL's, per token: ipo_per_token); (4) optional RPO term.
+log-probs are computed once, before training, and the reference model freed (--no-precompute-ref-logps keeps it,
+recomputing them online: the same losses); (2) dropout is off in the policy, so the implicit reward is exactly 0 before
+the first step; (3) IPO on summed log-probs (--loss_type ipo; TRL's, per token: ipo_per_token); (4) optional RPO term.
 Online DPO, on pairs the policy samples and a reward model or verifier labels: grpo.py --policy_loss dpo.
 Run (the toy task's command: README):
       torchrun --nproc_per_node 8 dpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \
@@ -12,6 +11,7 @@ Run (the toy task's command: README):
 """
 
 import collections
+import contextlib
 import fcntl
 import glob
 import json
@@ -72,7 +72,7 @@ class Args:
     model_name_or_path: str = "runs/sft"
     """a hub id or a local model folder: the SFT model the policy starts from"""
     dataset_name: str = "toy/preference"
-    """a hub id, a local .json/.jsonl/.parquet/.csv file (its train split), or a folder of them"""
+    """a hub id, a local .json/.jsonl/.parquet/.csv file (train split), or a folder of them"""
     dataset_train_split: str = "train"
     """the split to train on (or, in a folder, a data file by its name)"""
     dataset_test_split: str = "test"
@@ -80,7 +80,7 @@ class Args:
     max_steps: OffOrAtLeast1 = -1
     """optimizer steps; -1: num_train_epochs epochs"""
     num_train_epochs: AtLeast1 = 1
-    """passes over the training split (when max_steps is -1)"""
+    """passes over the training split"""
     learning_rate: Positive = 1e-6
     """peak learning rate"""
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
@@ -153,7 +153,7 @@ class Args:
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, lengths, args):
     """Per-pair loss and the implicit rewards beta * log(pi / pi_ref) of both completions. With h = the chosen
     log-ratio minus the rejected one: sigmoid -log sigmoid(beta h) (Eq. 7 of arXiv:2305.18290), mixed with
-    -log sigmoid(-beta h) by label_smoothing (conservative DPO: labels flipped with that probability);
+    -log sigmoid(-beta h) by label_smoothing (conservative DPO);
     ipo (h - 1 / (2 beta))^2 (Eq. 17 of arXiv:2310.12036); ipo_per_token the same with each log-ratio divided by its
     completion's length (`lengths`: the chosen, then the rejected); hinge max(0, 1 - beta h) (SLiC). Plus rpo_alpha x
     the chosen completion's negative log-likelihood per token (RPO, Eq. 3 of arXiv:2404.19733): DPO alone can lower the
@@ -179,9 +179,8 @@ def pair_logps(model, data, rows, pad_token_id):
     2 x len(rows) sequences; also the completions' lengths (the chosen, then the rejected) and the tokens processed."""
     prompts = [data["prompt"][i] for i in rows]
     completions = [data["chosen"][i] for i in rows] + [data["rejected"][i] for i in rows]
-    device = next(model.parameters()).device
-    input_ids, attention_mask, completion_mask = [t.to(device) for t in make_batch(prompts + prompts, completions,
-                                                                                      pad_token_id)]
+    batch = make_batch(prompts + prompts, completions, pad_token_id)
+    input_ids, attention_mask, completion_mask = [t.to(next(model.parameters()).device) for t in batch]
     logps = (completion_logprobs(model, input_ids, attention_mask, completion_mask.shape[1]) * completion_mask).sum(1)
     return logps[: len(rows)], logps[len(rows) :], completion_mask.sum(1), attention_mask.sum()
 
@@ -232,12 +231,11 @@ def main(args):
     tokenizer, pad_token_id, train, test, dropped = load_data(args, tokenize_preference)
     epochs_of(len(train["prompt"]), args, dropped)
 
-    # 3. models + FSDP2: the policy, then the frozen reference (the SFT model unless --ref_model_name_or_path), both
-    # without dropout: the implicit reward compares their log-probs
+    # 3. models + FSDP2: the policy, then the frozen reference, without dropout: the implicit reward compares log-probs
     model = load_model(AutoModelForCausalLM, args.model_name_or_path, args, "--model_name_or_path", mesh)
     ref_path = args.ref_model_name_or_path or args.model_name_or_path
     ref_model = load_model(AutoModelForCausalLM, ref_path, args, "--ref_model_name_or_path", mesh, frozen=True)
-    tables = {"train": None, "test": None}  # the reference log-probs, once, before training; then the model is freed
+    tables = {"train": None, "test": None}
     if args.precompute_ref_logps:
         tables = {name: reference_table(ref_model, data, args, pad_token_id) if data else None
                   for name, data in (("train", train), ("test", test))}
@@ -252,7 +250,7 @@ def main(args):
 
     # 5. training loop
     model.train()
-    sums = collections.defaultdict(lambda: torch.zeros((), device=device))  # this rank's, since the last log line
+    sums = collections.defaultdict(lambda: torch.zeros((), device=device))  # this rank's, since the last log
     logged, window_start = start_step, time.time()
     for step in range(start_step + 1, args.num_training_steps + 1):
         batch = global_batch(step - 1, len(train["prompt"]), args.batch_size, args.seed)
@@ -262,7 +260,7 @@ def main(args):
             ref_chosen, ref_rejected = reference_logps(ref_model, tables["train"], train, micro, pad_token_id)
             losses, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, lengths,
                                                                 args)
-            # ALGO LOGIC: the mean over the global batch of pairs, whatever the split (each part divided by its size)
+            # ALGO LOGIC: the mean over the global batch of pairs, whatever the split
             loss = losses.sum() / args.batch_size
             loss.backward()
             step_loss += loss.detach()
@@ -270,7 +268,7 @@ def main(args):
                      "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
                      "rewards/margins": chosen_rewards - rejected_rewards, "logps/chosen": chosen,
                      "logps/rejected": rejected}
-            for name, values in pairs.items():  # means over the global batch
+            for name, values in pairs.items():
                 sums[name] += values.detach().sum() / args.batch_size
             sums["tokens"] += tokens
         lr, grad_norm, stop = optimizer_step(model, optimizer, scheduler, step_loss, step, args)
@@ -573,33 +571,39 @@ HEAD_ROWS = 1024  # 0.9 GiB of logits for a vocabulary of 151,936
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """log_softmax(head(hidden)) at `labels` (and entropies), HEAD_ROWS rows at a time; the backward recomputes a
-    chunk's softmax as its logits' gradient in place (autograd would keep them), the head's gradient summed in fp32."""
+    """log_softmax(head(hidden)) at `labels` (and entropies), HEAD_ROWS rows at a time; the backward recomputes the
+    softmax as the logits' gradient (autograd would keep the logits), a vocabulary slice for all rows at a time (as
+    many logits as a chunk's): a slice's head gradient is one matrix product, no fp32 copy of the head."""
 
     @staticmethod
     def forward(ctx, hidden, labels, with_entropy, weight, bias=None):
-        logprobs, entropy = torch.zeros(2, len(labels), device=hidden.device)
+        logprobs, entropy, log_z = torch.zeros(3, len(labels), device=hidden.device)
         for rows in torch.arange(len(labels), device=hidden.device).split(HEAD_ROWS):
-            log_p = F.linear(hidden[rows], weight, bias).log_softmax(-1, dtype=torch.float32)  # one kernel
+            logits = F.linear(hidden[rows], weight, bias)
+            log_p = logits.log_softmax(-1, dtype=torch.float32)  # one kernel
             logprobs[rows] = log_p.gather(1, labels[rows, None])[:, 0]
+            log_z[rows] = logits.gather(1, labels[rows, None])[:, 0] - logprobs[rows]  # the softmax's log divisor
             entropy[rows] = -(log_p.exp() * log_p).sum(-1) if with_entropy else 0
-        ctx.save_for_backward(hidden, labels, logprobs, weight, bias)
+        ctx.save_for_backward(hidden, labels, logprobs, log_z, weight, bias)
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad, _):
-        hidden, labels, logprobs, weight, bias = ctx.saved_tensors
-        grad, grad_hidden = -grad[:, None], torch.empty_like(hidden)  # logits' gradient: grad x (one-hot - softmax)
-        sums = [None if p is None else torch.zeros_like(p, dtype=torch.float32) for p in (weight, bias)]
-        for rows in torch.arange(len(labels), device=hidden.device).split(HEAD_ROWS):
-            probs = F.linear(hidden[rows], weight, bias).softmax(-1)  # in the weights' dtype
-            probs.scatter_(1, labels[rows, None], (logprobs[rows, None].exp() - 1).to(probs.dtype))  # - one-hot
-            grad_hidden[rows] = (probs @ weight * grad[rows]).to(hidden.dtype)
-            sums[0] += probs.T @ (hidden[rows] * grad[rows]).to(probs.dtype)
-            if bias is not None:
-                sums[1] += probs.T @ grad[rows, 0].to(probs.dtype)
-        return grad_hidden, None, None, *sums
+        hidden, labels, logprobs, log_z, weight, bias = ctx.saved_tensors
+        grad = -grad[:, None]  # the logits' gradient: grad x (one-hot - softmax)
+        head, scaled = [p for p in (weight, bias) if p is not None], (hidden * grad).to(hidden.dtype)
+        grads, grad_hidden = [torch.empty_like(p) for p in head], torch.zeros_like(hidden, dtype=torch.float32)
+        size = max(HEAD_ROWS * len(weight) // len(hidden), 1)
+        for start in range(0, len(weight), size):
+            w, *b = (p[start : start + size] for p in head)
+            probs = F.linear(hidden, w, *b).float().sub_(log_z[:, None]).exp_().to(w.dtype)  # rounded once
+            here = (labels >= start) & (labels < start + size)  # - one-hot at this slice's labels
+            probs[here, labels[here] - start] = (logprobs[here].exp() - 1).to(probs.dtype)
+            grad_hidden += probs @ w * grad
+            for whole, x in zip(grads, (scaled, grad[:, 0].to(probs.dtype))):
+                whole[start : start + size] = probs.T @ x
+        return grad_hidden.to(hidden.dtype), None, None, *grads, None  # a None to spare: no bias
 
 
 def make_optimizer(model, args):
@@ -691,7 +695,7 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
     if stop and rank == 0:
         print(f"stopped by {signal.Signals(signum).name}: checkpoint {path}; --resume_from auto continues")
     dist.barrier()
-    if stop:  # exit with 128 + the signal
+    if stop:
         dist.destroy_process_group()
         sys.exit(128 + signum)
 
@@ -796,10 +800,10 @@ OUTPUT_DIR_LOCK = []  # the first process's open output_dir/.lock
 
 
 def claim_output_dir(args, auto):
-    """The first process claims output_dir; every process must read its token there."""
+    """The first process claims output_dir (and checks --track); every process must read its token there."""
     verdict = [None, f"{os.uname().nodename} {os.getpid()} {time.time()}"]
     if dist.get_rank() == 0:
-        verdict[0] = output_dir_verdict(args, auto, verdict[1])
+        verdict[0] = output_dir_verdict(args, auto, verdict[1]) or tracking_problem(args)
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:
         raise ScriptError(verdict[0])
@@ -831,6 +835,17 @@ def output_dir_verdict(args, auto, token):
     auto = "--resume_from auto continues it, " if not finished or complete_checkpoints(args.output_dir) else ""
     return f"--output_dir {args.output_dir} holds another run ({', '.join(found)}): {auto}or remove it, or choose " \
            "another"
+
+
+def tracking_problem(args):
+    """--track online without a wandb key: wandb would raise once the models are loaded."""
+    if args.track:
+        import wandb
+
+        hook, mode = sys.excepthook, wandb.setup().settings.mode
+        sys.excepthook = hook  # not wandb's: it prints a refusal's traceback
+        if mode not in ("offline", "disabled", "dryrun") and not wandb.login(verify=False, prompt=False):
+            return "--track: wandb has no API key here: run `wandb login`, or set WANDB_MODE=offline"
 
 
 STOP_SIGNALS = []  # signals received (request_stop)
@@ -1044,4 +1059,7 @@ def check_checkpoint(path, args):
 
 if __name__ == "__main__":
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # output into a closed pipe (--help | head): exit quietly
-    main(tyro.cli(Args, use_underscores=True, console_outputs=os.environ.get("RANK", "0") == "0"))
+    first = os.environ.get("RANK", "0") == "0"  # tyro prints a value's refusal on every process: the first's alone
+    with contextlib.redirect_stderr(sys.stderr if first else open(os.devnull, "w")):
+        args = tyro.cli(Args, use_underscores=True, console_outputs=first)
+    main(args)

@@ -52,6 +52,8 @@ OffOrAtLeast1 = Annotated[int, ("-1 (off) or at least 1", lambda v: v == -1 or v
 Positive = Annotated[float, ("above 0", lambda v: v > 0)]
 NonNegative = Annotated[float, ("0 or more", lambda v: v >= 0)]
 Fraction = Annotated[float, ("in [0, 1]", lambda v: 0 <= v <= 1)]
+Weight = Annotated[float, ("finite in float32 (the rewards')", lambda v: abs(v) <= torch.finfo().max)]
+Penalty = Annotated[float, ("0 or more, finite in float32 (the rewards')", lambda v: 0 <= v <= torch.finfo().max)]
 ShardDegree = Annotated[int, ("-1 (all) or a divisor of the {} processes",
                               lambda v: v == -1 or v >= 1 and dist.get_world_size() % v == 0)]
 Offload = Annotated[bool, ("False on a machine without a GPU", lambda v: not v or torch.cuda.is_available())]
@@ -82,7 +84,7 @@ class Args:
     max_steps: OffOrAtLeast1 = -1
     """optimizer steps; -1: num_train_epochs epochs"""
     num_train_epochs: AtLeast1 = 1
-    """passes over the training prompts (when max_steps is -1)"""
+    """passes over the training prompts"""
     learning_rate: Positive = 1e-6
     """peak learning rate"""
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
@@ -163,20 +165,21 @@ class Args:
     """the answers' column (GSM8K: the solution)"""
     reward_model_path: Optional[str] = None
     """a reward model folder written by reward.py"""
-    reward_fn_weight: float = 1.0
+    reward_fn_weight: Weight = 1.0
     """reward = reward_fn_weight x verifier + reward_model_weight x score"""
-    reward_model_weight: float = 1.0
+    reward_model_weight: Weight = 1.0
     """see reward_fn_weight"""
-    missing_eos_penalty: NonNegative = 0.0
+    missing_eos_penalty: Penalty = 0.0
     """subtracted from the reward of a completion without EOS"""
     mask_truncated_completions: bool = False
     """completions without EOS out of the loss (DAPO's overlong filtering)"""
     overlong_buffer: Optional[AtLeast1] = None
     """DAPO's soft overlong punishment: 0 to -overlong_penalty_factor over the last this many tokens"""
-    overlong_penalty_factor: NonNegative = 1.0
-    """see overlong_buffer"""
+    overlong_penalty_factor: Optional[Penalty] = None
+    """see overlong_buffer (default 1)"""
     dynamic_sampling: AtLeast1 = 1
-    """DAPO's dynamic sampling: up to this many rounds of prompts a rollout, for groups with a spread"""
+    """DAPO's dynamic sampling: up to this many rounds of prompts a rollout, for groups with a spread (the prompts
+    read on in their order: the same rollouts read more of them)"""
 
     # GRPO and its variants (the README's table)
     policy_loss: Literal["clip", "cispo", "dpo"] = "clip"
@@ -218,10 +221,11 @@ def verifier_reward(completion, answer, reward_fn):
     return float(got is not None and got == parse_answer(answer, "gsm8k" if "####" in answer else "last_number"))
 
 
-def has_spread(values, group_size):
-    """Groups (consecutive rows) of values over 1e-5 apart (not std > 0: a reward model's noise)."""
-    low, high = values.view(-1, group_size).aminmax(dim=1)
-    return high - low >= 1e-5
+def has_spread(values, group_size, usable=True):
+    """Groups (consecutive rows) whose values differ among their `usable` rows (copies of a text score alike:
+    rollout_rewards)."""
+    groups, usable = values.view(-1, group_size), torch.as_tensor(usable).expand_as(values).view(-1, group_size)
+    return groups.where(usable, -math.inf).amax(1) > groups.where(usable, math.inf).amin(1)
 
 
 def group_advantages(rewards, num_tokens, group_size, args):
@@ -263,10 +267,28 @@ def rejection_sample(rewards, keep, beta, generator):
     return kept
 
 
-def best_and_worst(rewards):
-    """Online DPO's pairs: each row's first best and worst, as flat indices."""
-    pairs = torch.stack([rewards.argmax(1), rewards.argmin(1)], 1)
+def best_and_worst(rewards, usable):
+    """Online DPO's pairs: each row's first best and worst of its `usable` entries, as flat indices."""
+    pairs = torch.stack([rewards.where(usable, -math.inf).argmax(1), rewards.where(usable, math.inf).argmin(1)], 1)
     return (pairs + rewards.shape[1] * torch.arange(len(rewards))[:, None]).flatten().tolist()
+
+
+def training_rows(kept, spread, rewards, usable, num_groups, args):
+    """The rows a rollout trains on, of the rows `kept` (G a group, in sampling order): num_groups groups, those with a
+    `spread` first (DAPO's dynamic sampling); online DPO: each group's best and worst usable row. And those groups'
+    metrics."""
+    G, N = args.num_generations, args.num_candidates
+    groups = torch.argsort((~spread).int(), stable=True)[:num_groups].tolist()
+    rows = [kept[g * G + i] for g in groups for i in range(G)]
+    stats = {"objective/scores": rewards[rows].mean()}
+    if N > G:  # of all the groups' candidates
+        stats["objective/candidate_scores"] = rewards.view(-1, N)[groups].mean()
+    if args.dynamic_sampling > 1:  # groups without a spread sampled, and those of them kept
+        stats |= {"dynamic_sampling/groups_filtered": (~spread).sum(),
+                  "dynamic_sampling/groups_short": max(num_groups - spread.sum().item(), 0)}
+    if args.policy_loss == "dpo":
+        rows = [rows[i] for i in best_and_worst(rewards[rows].view(-1, G), usable[rows].view(-1, G))]
+    return rows, stats
 
 
 def kl_estimate(logps, ref_logps, old_logps, kl_estimator):
@@ -336,24 +358,30 @@ def loss_temperature(args):
 def rollout_rewards(rollout, reward_model, tokenizer, pad_token_id, args, device):
     """reward_fn_weight x verifier - missing_eos_penalty x (no EOS) - the overlong punishment + reward_model_weight x
     score (finite), which completions ended, the outcome: the verifier's, else the score."""
-    texts = tokenizer.batch_decode(rollout["completion"], skip_special_tokens=True)
+    completions = rollout["completion"]
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     correct = torch.tensor([verifier_reward(t, a, args.reward_fn) if args.reward_fn else 0.0
                             for t, a in zip(texts, rollout["answer"])], device=device)
-    ended = torch.tensor([c[-1] == tokenizer.eos_token_id for c in rollout["completion"]], device=device)
+    ended = torch.tensor([c[-1] == tokenizer.eos_token_id for c in completions], device=device)
     rewards = args.reward_fn_weight * correct - args.missing_eos_penalty * (~ended).float()
     if args.overlong_buffer:  # DAPO's Eq. 13 x the factor, EOS counted (as TRL, verl)
         too_long = (rollout["length"] - args.max_completion_length) / args.overlong_buffer + 1
         rewards -= args.overlong_penalty_factor * too_long.clamp(0, 1)
-    scores = (args.reward_model_weight * frozen_pass(reward_model, rollout, pad_token_id, args, scores=True)[:, 0]
-              if reward_model else torch.zeros_like(rewards))
-    sources = [f"--reward_fn {args.reward_fn}", f"--reward_model_path {args.reward_model_path}"]
+    scores = torch.zeros_like(rewards)
+    if reward_model:  # one score a distinct text: its copies tie exactly, whatever the rows scored beside each
+        texts = {}
+        copy_of = [texts.setdefault((tuple(p), tuple(c)), len(texts)) for p, c in zip(rollout["prompt"], completions)]
+        distinct = {"prompt": [p for p, _ in texts], "completion": [c for _, c in texts]}
+        scores = args.reward_model_weight * no_grad_pass(reward_model, distinct, pad_token_id, args, True)[copy_of, 0]
+    sources = [f"--reward_fn {args.reward_fn} with the penalties", f"--reward_model_path {args.reward_model_path}"]
     check_rewards(torch.stack([rewards, scores], 1), sources)
     return {"reward": rewards + scores, "ended": ended, "outcome": correct if args.reward_fn else scores}
 
 
 @torch.no_grad()
-def frozen_pass(net, rollout, pad_token_id, args, scores=False):
-    """Log-probs of the completions at the loss's temperature, or a reward model's scores."""
+def no_grad_pass(net, rollout, pad_token_id, args, scores=False):
+    """Log-probs of the completions at the loss's temperature (the reference's, the old policy's), or a reward
+    model's scores."""
     device = next(net.parameters()).device
     table = torch.zeros(len(rollout["prompt"]), 1 if scores else args.max_completion_length, device=device)
     for rows, valid in rank_micro_batches(len(table), args.local_rollout_forward_batch_size):
@@ -419,9 +447,11 @@ def main(args):
     args.rollout_batch_size = args.batch_size * args.num_mini_batches
     P, rounds = args.rollout_batch_size // K, args.dynamic_sampling  # groups a rollout
     unused = [f"--{f.name}" for f in fields(Args)[-7:] if getattr(args, f.name) != f.default]  # GRPO's, after beta
-    if dpo and (unused or args.beta == 0 or args.per_device_train_batch_size % 2):
-        raise ScriptError(f"--policy_loss dpo needs --beta above 0, an even --per_device_train_batch_size and none of "
-                          f"GRPO's flags, not {args.beta}, {args.per_device_train_batch_size} and {unused}")
+    needs = {f"--beta above 0, not {args.beta}": args.beta == 0, f"none of GRPO's flags, not {unused}": unused,
+             f"an even --per_device_train_batch_size (whole pairs), not {args.per_device_train_batch_size}":
+             args.per_device_train_batch_size % 2}
+    if dpo and any(needs.values()):
+        raise ScriptError(f"--policy_loss dpo needs {'; '.join(need for need, unmet in needs.items() if unmet)}")
     if args.epsilon_high is None:
         args.epsilon_high = args.epsilon
     if args.rollout_batch_size % K:
@@ -435,8 +465,13 @@ def main(args):
         raise ScriptError("no reward: set --reward_fn, --reward_model_path, or both")
     if args.scale_rewards != "group" and args.advantage_estimator != "grpo":
         raise ScriptError(f"--scale_rewards applies to --advantage_estimator grpo only, not {args.advantage_estimator}")
-    if args.overlong_penalty_factor != 1 and not args.overlong_buffer:
+    if args.overlong_penalty_factor is not None and not args.overlong_buffer:
         raise ScriptError("--overlong_penalty_factor needs --overlong_buffer (the punishment's tokens)")
+    if (args.overlong_buffer or 0) > args.max_completion_length:
+        raise ScriptError(f"--overlong_buffer {args.overlong_buffer}: at most --max_completion_length "
+                          f"{args.max_completion_length} (a longer one punishes every completion)")
+    if args.overlong_penalty_factor is None:
+        args.overlong_penalty_factor = 1.0
 
     # 2. data: every rank tokenises all prompts
     tokenizer, pad_token_id, train, test, dropped = load_data(args, tokenize_prompts)
@@ -452,14 +487,20 @@ def main(args):
     optimizer, scheduler, start_step, state = make_optimizer(model, args)
     metrics_path, progress = open_metrics(args, start_step)
 
-    # 5. training loop: a rollout, then num_iterations x num_mini_batches optimizer steps
+    # 5. training loop
     sums = collections.defaultdict(lambda: torch.zeros((), device=device))  # this rank's, since the last log
     logged, window_start, learned = start_step, time.time(), False
-    for rollout_index in range(start_step // steps_per_rollout, num_rollouts):
-        rollout_start, rollout, kept = time.time(), collections.defaultdict(list), []
+    first, per_epoch = start_step // steps_per_rollout, len(train["prompt"]) // P
+    state.setdefault("batches", first * rounds)  # batches of prompts read, in order: the checkpoint keeps it
+    for rollout_index in range(first, num_rollouts):
+        rollout_start, said, rollout, kept = time.time(), time.time(), collections.defaultdict(list), []
         generator = torch.Generator().manual_seed((args.seed * 100_003 + rollout_index) * 100_003 - 1)
-        for batch in range(rollout_index * rounds, (rollout_index + 1) * rounds):  # round r: batch i R + r
-            # ALGO LOGIC: 1. a batch of P prompts, each N times in a row
+        for round_index in range(rounds):
+            # ALGO LOGIC: 1. the next batch of P prompts (each read once an epoch), each N times in a row
+            batch = state["batches"]
+            state["batches"] += 1
+            if batch % per_epoch == 0 and batch and rank == 0:
+                print(f"rollout {rollout_index + 1}: epoch {batch // per_epoch + 1} of the prompts begins")
             rows = global_batch(batch, len(train["prompt"]), P, args.seed)
             part = {name: [column[row] for row in rows for _ in range(N)] for name, column in train.items()}
 
@@ -474,24 +515,22 @@ def main(args):
             kept += [len(rollout["prompt"]) + i for i in picked]
             for name, column in part.items():
                 rollout[name] += list(column)
-            spread = has_spread(torch.stack(rollout["outcome"])[kept], G)
+            ended = torch.stack(rollout["ended"])
+            usable = ended | (not dpo or not args.mask_truncated_completions)  # online DPO pairs those in the loss
+            spread = has_spread(torch.stack(rollout["outcome"])[kept], G, usable[kept])
             if spread.sum() >= P:
                 break
-        rewards = torch.stack(rollout["reward"])
-        stats = {"objective/candidate_scores": rewards.mean()} if N > G else {}
-        stats["objective/scores"] = rewards[kept].mean()
-        if rounds > 1:  # P groups, those with a spread first
-            short = max(P - spread.sum().item(), 0)
-            stats |= {"dynamic_sampling/rounds": batch % rounds + 1, "dynamic_sampling/groups_short": short,
-                      "dynamic_sampling/groups_filtered": (~spread).sum() - short}
-            groups = torch.argsort((~spread).int(), stable=True)[:P].tolist()
-            kept = [kept[g * G + i] for g in groups for i in range(G)]
-        if dpo:  # each group's best, worst
-            kept = [kept[i] for i in best_and_worst(rewards[kept].view(-1, G).cpu())]
-        rollout = {name: [column[i] for i in kept] for name, column in rollout.items()}
+            if rank == 0 and time.time() > said + 60:
+                print(f"rollout {rollout_index + 1}: {round_index + 1} rounds of up to {rounds}, {spread.sum()} of "
+                      f"{P} groups with a spread")
+                said = time.time()
+        rows, stats = training_rows(kept, spread, torch.stack(rollout["reward"]), usable, P, args)
+        if rounds > 1:
+            stats["dynamic_sampling/rounds"] = round_index + 1
+        rollout = {name: [column[i] for i in rows] for name, column in rollout.items()}
         rewards, lengths, ended = (torch.stack(rollout.pop(name)) for name in ("reward", "length", "ended"))
-        rollout["ref_logps"] = frozen_pass(ref_model, rollout, pad_token_id, args) if ref_model else None
-        rollout["old_logps"] = frozen_pass(model, rollout, pad_token_id, args) if args.num_iterations > 1 else None
+        rollout["ref_logps"] = no_grad_pass(ref_model, rollout, pad_token_id, args) if ref_model else None
+        rollout["old_logps"] = no_grad_pass(model, rollout, pad_token_id, args) if args.num_iterations > 1 else None
 
         # 4. the tokens in the loss, and the advantages
         rollout["loss_mask"] = (torch.arange(args.max_completion_length, device=device) < lengths[:, None]).float()
@@ -815,33 +854,39 @@ HEAD_ROWS = 1024  # 0.9 GiB of logits for a vocabulary of 151,936
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """log_softmax(head(hidden)) at `labels` (and entropies), HEAD_ROWS rows at a time; the backward recomputes a
-    chunk's softmax as its logits' gradient in place (autograd would keep them), the head's gradient summed in fp32."""
+    """log_softmax(head(hidden)) at `labels` (and entropies), HEAD_ROWS rows at a time; the backward recomputes the
+    softmax as the logits' gradient (autograd would keep the logits), a vocabulary slice for all rows at a time (as
+    many logits as a chunk's): a slice's head gradient is one matrix product, no fp32 copy of the head."""
 
     @staticmethod
     def forward(ctx, hidden, labels, with_entropy, weight, bias=None):
-        logprobs, entropy = torch.zeros(2, len(labels), device=hidden.device)
+        logprobs, entropy, log_z = torch.zeros(3, len(labels), device=hidden.device)
         for rows in torch.arange(len(labels), device=hidden.device).split(HEAD_ROWS):
-            log_p = F.linear(hidden[rows], weight, bias).log_softmax(-1, dtype=torch.float32)  # one kernel
+            logits = F.linear(hidden[rows], weight, bias)
+            log_p = logits.log_softmax(-1, dtype=torch.float32)  # one kernel
             logprobs[rows] = log_p.gather(1, labels[rows, None])[:, 0]
+            log_z[rows] = logits.gather(1, labels[rows, None])[:, 0] - logprobs[rows]  # the softmax's log divisor
             entropy[rows] = -(log_p.exp() * log_p).sum(-1) if with_entropy else 0
-        ctx.save_for_backward(hidden, labels, logprobs, weight, bias)
+        ctx.save_for_backward(hidden, labels, logprobs, log_z, weight, bias)
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad, _):
-        hidden, labels, logprobs, weight, bias = ctx.saved_tensors
-        grad, grad_hidden = -grad[:, None], torch.empty_like(hidden)  # logits' gradient: grad x (one-hot - softmax)
-        sums = [None if p is None else torch.zeros_like(p, dtype=torch.float32) for p in (weight, bias)]
-        for rows in torch.arange(len(labels), device=hidden.device).split(HEAD_ROWS):
-            probs = F.linear(hidden[rows], weight, bias).softmax(-1)  # in the weights' dtype
-            probs.scatter_(1, labels[rows, None], (logprobs[rows, None].exp() - 1).to(probs.dtype))  # - one-hot
-            grad_hidden[rows] = (probs @ weight * grad[rows]).to(hidden.dtype)
-            sums[0] += probs.T @ (hidden[rows] * grad[rows]).to(probs.dtype)
-            if bias is not None:
-                sums[1] += probs.T @ grad[rows, 0].to(probs.dtype)
-        return grad_hidden, None, None, *sums
+        hidden, labels, logprobs, log_z, weight, bias = ctx.saved_tensors
+        grad = -grad[:, None]  # the logits' gradient: grad x (one-hot - softmax)
+        head, scaled = [p for p in (weight, bias) if p is not None], (hidden * grad).to(hidden.dtype)
+        grads, grad_hidden = [torch.empty_like(p) for p in head], torch.zeros_like(hidden, dtype=torch.float32)
+        size = max(HEAD_ROWS * len(weight) // len(hidden), 1)
+        for start in range(0, len(weight), size):
+            w, *b = (p[start : start + size] for p in head)
+            probs = F.linear(hidden, w, *b).float().sub_(log_z[:, None]).exp_().to(w.dtype)  # rounded once
+            here = (labels >= start) & (labels < start + size)  # - one-hot at this slice's labels
+            probs[here, labels[here] - start] = (logprobs[here].exp() - 1).to(probs.dtype)
+            grad_hidden += probs @ w * grad
+            for whole, x in zip(grads, (scaled, grad[:, 0].to(probs.dtype))):
+                whole[start : start + size] = probs.T @ x
+        return grad_hidden.to(hidden.dtype), None, None, *grads, None  # a None to spare: no bias
 
 
 def last_token_index(attention_mask):
@@ -938,17 +983,17 @@ def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_
     return [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
 
 
-def sample_rollout(model, prompts, rollout_index, args, eos_token_id, pad_token_id):
-    """Completions in chunks round-robin over the ranks, each seeded by (seed, rollout, chunk): the same on any number
-    of processes and on resume; rollout None: greedy."""
-    device, rank, greedy = next(model.parameters()).device, dist.get_rank(), rollout_index is None
+def sample_rollout(model, prompts, draw, args, eos_token_id, pad_token_id):
+    """Completions in chunks round-robin over the ranks, each seeded by (seed, draw, chunk) (draw: ppo's rollout,
+    grpo's batch of prompts; None: greedy): the same on any number of processes and on resume."""
+    device, rank, greedy = next(model.parameters()).device, dist.get_rank(), draw is None
     n, width = len(prompts), args.max_completion_length
     chunk_size = args.per_device_eval_batch_size if greedy else args.local_rollout_forward_batch_size
     completion_ids = torch.full((n, width), -1, device=device)  # -1: no token
     with unsharded(model, keep=not args.reshard_after_forward):
         for chunk, start in enumerate(range(0, n, chunk_size)):
             if chunk % args.world_size == rank:
-                torch.manual_seed((args.seed * 100_003 + (rollout_index or 0)) * 100_003 + chunk)
+                torch.manual_seed((args.seed * 100_003 + (draw or 0)) * 100_003 + chunk)
                 completions = generate_completions(model, prompts[start : start + chunk_size], width,
                                                    None if greedy else args.temperature, eos_token_id, pad_token_id,
                                                    args.cache_implementation)
@@ -1028,7 +1073,7 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
     if stop and rank == 0:
         print(f"stopped by {signal.Signals(signum).name}: checkpoint {path}; --resume_from auto continues")
     dist.barrier()
-    if stop:  # exit with 128 + the signal
+    if stop:
         dist.destroy_process_group()
         sys.exit(128 + signum)
 
@@ -1133,10 +1178,10 @@ OUTPUT_DIR_LOCK = []  # the first process's open output_dir/.lock
 
 
 def claim_output_dir(args, auto):
-    """The first process claims output_dir; every process must read its token there."""
+    """The first process claims output_dir (and checks --track); every process must read its token there."""
     verdict = [None, f"{os.uname().nodename} {os.getpid()} {time.time()}"]
     if dist.get_rank() == 0:
-        verdict[0] = output_dir_verdict(args, auto, verdict[1])
+        verdict[0] = output_dir_verdict(args, auto, verdict[1]) or tracking_problem(args)
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:
         raise ScriptError(verdict[0])
@@ -1168,6 +1213,17 @@ def output_dir_verdict(args, auto, token):
     auto = "--resume_from auto continues it, " if not finished or complete_checkpoints(args.output_dir) else ""
     return f"--output_dir {args.output_dir} holds another run ({', '.join(found)}): {auto}or remove it, or choose " \
            "another"
+
+
+def tracking_problem(args):
+    """--track online without a wandb key: wandb would raise once the models are loaded."""
+    if args.track:
+        import wandb
+
+        hook, mode = sys.excepthook, wandb.setup().settings.mode
+        sys.excepthook = hook  # not wandb's: it prints a refusal's traceback
+        if mode not in ("offline", "disabled", "dryrun") and not wandb.login(verify=False, prompt=False):
+            return "--track: wandb has no API key here: run `wandb login`, or set WANDB_MODE=offline"
 
 
 STOP_SIGNALS = []  # signals received (request_stop)
@@ -1388,4 +1444,7 @@ def check_checkpoint(path, args):
 
 if __name__ == "__main__":
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # output into a closed pipe (--help | head): exit quietly
-    main(tyro.cli(Args, use_underscores=True, console_outputs=os.environ.get("RANK", "0") == "0"))
+    first = os.environ.get("RANK", "0") == "0"  # tyro prints a value's refusal on every process: the first's alone
+    with contextlib.redirect_stderr(sys.stderr if first else open(os.devnull, "w")):
+        args = tyro.cli(Args, use_underscores=True, console_outputs=first)
+    main(args)

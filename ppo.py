@@ -52,6 +52,7 @@ OffOrAtLeast1 = Annotated[int, ("-1 (off) or at least 1", lambda v: v == -1 or v
 Positive = Annotated[float, ("above 0", lambda v: v > 0)]
 NonNegative = Annotated[float, ("0 or more", lambda v: v >= 0)]
 Fraction = Annotated[float, ("in [0, 1]", lambda v: 0 <= v <= 1)]
+Penalty = Annotated[float, ("0 or more, finite in float32 (the rewards')", lambda v: 0 <= v <= torch.finfo().max)]
 ShardDegree = Annotated[int, ("-1 (all) or a divisor of the {} processes",
                               lambda v: v == -1 or v >= 1 and dist.get_world_size() % v == 0)]
 Offload = Annotated[bool, ("False on a machine without a GPU", lambda v: not v or torch.cuda.is_available())]
@@ -74,7 +75,7 @@ class Args:
     model_name_or_path: str = "runs/sft"
     """a hub id or a local model folder: the SFT policy (and reference)"""
     dataset_name: str = "toy/prompts"
-    """a hub id, a local .json/.jsonl/.parquet/.csv file (its train split), or a folder of them"""
+    """a hub id, a local .json/.jsonl/.parquet/.csv file (train split), or a folder of them"""
     dataset_train_split: str = "train"
     """the split to train on (or, in a folder, a data file by its name)"""
     dataset_test_split: str = "test"
@@ -82,7 +83,7 @@ class Args:
     max_steps: OffOrAtLeast1 = -1
     """optimizer steps; -1: num_train_epochs epochs"""
     num_train_epochs: AtLeast1 = 1
-    """passes over the training prompts (when max_steps is -1)"""
+    """passes over the training prompts"""
     learning_rate: Positive = 1e-6
     """peak learning rate"""
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
@@ -157,7 +158,7 @@ class Args:
     """the value model's starting point (default: the reward model)"""
     stop_token: Optional[str] = None
     """the token that ends a completion (default: EOS)"""
-    missing_eos_penalty: NonNegative = 0.0
+    missing_eos_penalty: Penalty = 0.0
     """subtracted from the score of a completion without the stop token"""
 
     # PPO
@@ -185,7 +186,7 @@ class Args:
 
 def token_values(model, input_ids, attention_mask, completion_width):
     """The value model's V(s_t) for each of the last `completion_width` tokens: its score at the position before
-    token t (score_bias included)."""
+    token t."""
     return head_scores(model, input_ids, attention_mask)[:, -completion_width - 1 : -1]
 
 
@@ -225,7 +226,7 @@ def penalised_scores(scores, completions, stop_token_id, missing_eos_penalty):
 
 def token_rewards(scores, logps, ref_logps, mask, kl_coef, kl_estimator):
     """Eq. 2 of arXiv:1909.08593 per token: -kl_coef x the KL estimate at every completion token, plus the score at
-    the last real token (from the mask, as pad may equal EOS). Returns the rewards and the KL estimates."""
+    the last real token. Returns the rewards and the KL estimates."""
     kl = kl_estimate(logps, ref_logps, logps, kl_estimator) * mask
     rewards = -kl_coef * kl
     rewards[torch.arange(len(scores), device=scores.device), last_token_index(mask)] += scores
@@ -238,7 +239,7 @@ def gae(rewards, values, mask, gamma, lam):
     rewards, values = rewards * mask, values * mask
     advantages, last = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        next_values = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(last)
+        next_values = values[:, t + 1] if t + 1 < rewards.shape[1] else 0.0
         last = rewards[:, t] + gamma * next_values - values[:, t] + gamma * lam * last
         advantages[:, t] = last
     return advantages, advantages + values
@@ -332,26 +333,14 @@ def accumulate_gradients(models, rollout, mini, args, sums, extremes, pad_token_
     return step_loss
 
 
-def window_metrics(w, steps, seconds, args):
-    """The metrics of the steps since the last log line, from their sums over ranks: the token statistics
-    (accumulate_gradients) per loss token, the rest per step."""
+def window_metrics(w, steps, seconds):
+    """The metrics since the last log, from their sums over ranks: accumulate_gradients' token statistics per loss
+    token, the rest per step."""
     tokens, per_token = max(w.pop("tokens"), 1.0), ("loss/", "policy/", "val/ratio", "val/clip", "objective/entropy")
     metrics = {"tokens_per_second": w.pop("processed") / seconds}
     metrics |= {name: value / (tokens if name.startswith(per_token) else steps) for name, value in w.items()}
     metrics["val/ratio_var"] = metrics.pop("val/ratio_squared") - metrics["val/ratio"] ** 2
     return metrics
-
-
-def rollout_metrics(prompts, completions, scores, kl, kl_k3, lengths, ended, kl_coef, tokenizer):
-    """The rollout's statistics by metric name, and its first four completions, scored."""
-    non_score_reward = (-kl_coef * kl).sum(1).mean()
-    stats = {"objective/scores": scores.mean(), "objective/kl_coef": kl_coef, "objective/kl": kl_k3.sum(1).mean(),
-             "objective/non_score_reward": non_score_reward, "objective/rlhf_reward": scores.mean() + non_score_reward,
-             "completions/mean_length": lengths.float().mean(), "val/num_eos_tokens": ended.sum()}
-    samples = [["prompt", "completion", "score"]]
-    samples += [[tokenizer.decode(prompts[i]), tokenizer.decode(completions[i]), scores[i].item()]
-                for i in range(min(4, len(prompts)))]
-    return stats, samples
 
 
 def main(args):
@@ -377,25 +366,25 @@ def main(args):
     model = models["policy"]
     trained = torch.nn.ModuleDict({"policy": model, "value": models["value"]})  # one optimizer, one checkpoint
 
-    # 4. optimizer and LR schedule (or both restored by --resume_from, with the KL controller)
+    # 4. optimizer and LR schedule (or both restored by --resume_from)
     optimizer, scheduler, start_step, state = make_optimizer(trained, args)
-    state.setdefault("kl_coef", args.kl_coef)  # the adaptive controller's value for the next rollout
+    state.setdefault("kl_coef", args.kl_coef)  # the adaptive controller's, for the next rollout
     metrics_path, progress = open_metrics(args, start_step)
 
-    # 5. training loop: a rollout, then num_ppo_epochs x num_mini_batches optimizer steps
+    # 5. training loop
     trained.train()
-    sums = collections.defaultdict(lambda: torch.zeros((), device=device))  # this rank's, since the last log line
+    sums = collections.defaultdict(lambda: torch.zeros((), device=device))  # this rank's, since the last log
     logged, window_start = start_step, time.time()
-    extremes = torch.full((2,), -math.inf, device=device)  # the ratio's max and -min over the window
+    extremes = torch.full((2,), -math.inf, device=device)
     for rollout_index in range(start_step // steps_per_rollout, num_rollouts):
         rollout_start = time.time()
         # ALGO LOGIC: 1. the rollout's prompts
         prompts = [train["prompt"][row] for row in global_batch(rollout_index, len(train["prompt"]), N, args.seed)]
 
-        # 2. sample the completions (seeded by rollout and chunk; the parameters gathered once)
+        # 2. sample the completions
         completions, lengths = sample_rollout(model, prompts, rollout_index, args, stop_token_id, pad_token_id)
 
-        # 3. scores; the policy's and reference's log-probs and the values of the sampled tokens
+        # 3. scores, log-probs and values of the sampled tokens
         scores, logps, ref_logps, values = score_rollout(models, prompts, completions, pad_token_id, args)
         check_rewards(scores[:, None], [f"--reward_model_path {args.reward_model_path}"])
 
@@ -409,10 +398,17 @@ def main(args):
         advantages = masked_whiten(advantages, mask)
         rollout = {"prompts": prompts, "completions": completions, "mask": mask, "logps": logps, "values": values,
                    "advantages": advantages, "returns": returns}
-        stats, samples = rollout_metrics(prompts, completions, scores, kl, kl_estimate(logps, ref_logps, logps, "k3")
-                                         * mask, lengths, ended, state["kl_coef"], tokenizer)
+        non_score_reward = (-state["kl_coef"] * kl).sum(1).mean()
+        stats = {"objective/scores": scores.mean(), "objective/kl_coef": state["kl_coef"],
+                 "objective/kl": (kl_estimate(logps, ref_logps, logps, "k3") * mask).sum(1).mean(),
+                 "objective/non_score_reward": non_score_reward,
+                 "objective/rlhf_reward": scores.mean() + non_score_reward,
+                 "completions/mean_length": lengths.float().mean(), "val/num_eos_tokens": ended.sum()}
+        samples = [["prompt", "completion", "score"]]
+        samples += [[tokenizer.decode(prompts[i]), tokenizer.decode(completions[i]), scores[i].item()]
+                    for i in range(min(4, len(prompts)))]
         stats["time/rollout"] = time.time() - rollout_start
-        if args.kl_target is not None:  # for the next rollout
+        if args.kl_target is not None:
             state["kl_coef"] = adapt_kl_coef(state["kl_coef"], kl.sum(1).mean().item(), N, args)
 
         # 5. num_ppo_epochs passes over the rollout, each in num_mini_batches optimizer steps
@@ -423,12 +419,12 @@ def main(args):
             lr, grad_norm, stop = optimizer_step(trained, optimizer, scheduler, step_loss, step, args)
             progress.update(1)
             stats["time/update"] = time.time() - update_start
-            for name, value in stats.items():  # the same on every rank: each adds its share of the sum
+            for name, value in stats.items():  # the same on every rank: each adds its share
                 sums[name] += value / world_size
 
             if is_due(step, args.log_every, args) or is_due(step, args.eval_every, args):
                 metrics = {"step": step, "episode": (rollout_index + 1) * N, "lr": lr, "grad_norm": grad_norm.item()}
-                metrics |= window_metrics(reduce_sums(sums), step - logged, time.time() - window_start, args)
+                metrics |= window_metrics(reduce_sums(sums), step - logged, time.time() - window_start)
                 dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
                 metrics |= {"val/ratio_max": extremes[0].item(), "val/ratio_min": -extremes[1].item()}
                 extremes.fill_(-math.inf)
@@ -717,33 +713,39 @@ HEAD_ROWS = 1024  # 0.9 GiB of logits for a vocabulary of 151,936
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """log_softmax(head(hidden)) at `labels` (and entropies), HEAD_ROWS rows at a time; the backward recomputes a
-    chunk's softmax as its logits' gradient in place (autograd would keep them), the head's gradient summed in fp32."""
+    """log_softmax(head(hidden)) at `labels` (and entropies), HEAD_ROWS rows at a time; the backward recomputes the
+    softmax as the logits' gradient (autograd would keep the logits), a vocabulary slice for all rows at a time (as
+    many logits as a chunk's): a slice's head gradient is one matrix product, no fp32 copy of the head."""
 
     @staticmethod
     def forward(ctx, hidden, labels, with_entropy, weight, bias=None):
-        logprobs, entropy = torch.zeros(2, len(labels), device=hidden.device)
+        logprobs, entropy, log_z = torch.zeros(3, len(labels), device=hidden.device)
         for rows in torch.arange(len(labels), device=hidden.device).split(HEAD_ROWS):
-            log_p = F.linear(hidden[rows], weight, bias).log_softmax(-1, dtype=torch.float32)  # one kernel
+            logits = F.linear(hidden[rows], weight, bias)
+            log_p = logits.log_softmax(-1, dtype=torch.float32)  # one kernel
             logprobs[rows] = log_p.gather(1, labels[rows, None])[:, 0]
+            log_z[rows] = logits.gather(1, labels[rows, None])[:, 0] - logprobs[rows]  # the softmax's log divisor
             entropy[rows] = -(log_p.exp() * log_p).sum(-1) if with_entropy else 0
-        ctx.save_for_backward(hidden, labels, logprobs, weight, bias)
+        ctx.save_for_backward(hidden, labels, logprobs, log_z, weight, bias)
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad, _):
-        hidden, labels, logprobs, weight, bias = ctx.saved_tensors
-        grad, grad_hidden = -grad[:, None], torch.empty_like(hidden)  # logits' gradient: grad x (one-hot - softmax)
-        sums = [None if p is None else torch.zeros_like(p, dtype=torch.float32) for p in (weight, bias)]
-        for rows in torch.arange(len(labels), device=hidden.device).split(HEAD_ROWS):
-            probs = F.linear(hidden[rows], weight, bias).softmax(-1)  # in the weights' dtype
-            probs.scatter_(1, labels[rows, None], (logprobs[rows, None].exp() - 1).to(probs.dtype))  # - one-hot
-            grad_hidden[rows] = (probs @ weight * grad[rows]).to(hidden.dtype)
-            sums[0] += probs.T @ (hidden[rows] * grad[rows]).to(probs.dtype)
-            if bias is not None:
-                sums[1] += probs.T @ grad[rows, 0].to(probs.dtype)
-        return grad_hidden, None, None, *sums
+        hidden, labels, logprobs, log_z, weight, bias = ctx.saved_tensors
+        grad = -grad[:, None]  # the logits' gradient: grad x (one-hot - softmax)
+        head, scaled = [p for p in (weight, bias) if p is not None], (hidden * grad).to(hidden.dtype)
+        grads, grad_hidden = [torch.empty_like(p) for p in head], torch.zeros_like(hidden, dtype=torch.float32)
+        size = max(HEAD_ROWS * len(weight) // len(hidden), 1)
+        for start in range(0, len(weight), size):
+            w, *b = (p[start : start + size] for p in head)
+            probs = F.linear(hidden, w, *b).float().sub_(log_z[:, None]).exp_().to(w.dtype)  # rounded once
+            here = (labels >= start) & (labels < start + size)  # - one-hot at this slice's labels
+            probs[here, labels[here] - start] = (logprobs[here].exp() - 1).to(probs.dtype)
+            grad_hidden += probs @ w * grad
+            for whole, x in zip(grads, (scaled, grad[:, 0].to(probs.dtype))):
+                whole[start : start + size] = probs.T @ x
+        return grad_hidden.to(hidden.dtype), None, None, *grads, None  # a None to spare: no bias
 
 
 def last_token_index(attention_mask):
@@ -840,17 +842,17 @@ def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_
     return [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
 
 
-def sample_rollout(model, prompts, rollout_index, args, eos_token_id, pad_token_id):
-    """Completions in chunks round-robin over the ranks, each seeded by (seed, rollout, chunk): the same on any number
-    of processes and on resume; rollout None: greedy."""
-    device, rank, greedy = next(model.parameters()).device, dist.get_rank(), rollout_index is None
+def sample_rollout(model, prompts, draw, args, eos_token_id, pad_token_id):
+    """Completions in chunks round-robin over the ranks, each seeded by (seed, draw, chunk) (draw: ppo's rollout,
+    grpo's batch of prompts; None: greedy): the same on any number of processes and on resume."""
+    device, rank, greedy = next(model.parameters()).device, dist.get_rank(), draw is None
     n, width = len(prompts), args.max_completion_length
     chunk_size = args.per_device_eval_batch_size if greedy else args.local_rollout_forward_batch_size
     completion_ids = torch.full((n, width), -1, device=device)  # -1: no token
     with unsharded(model, keep=not args.reshard_after_forward):
         for chunk, start in enumerate(range(0, n, chunk_size)):
             if chunk % args.world_size == rank:
-                torch.manual_seed((args.seed * 100_003 + (rollout_index or 0)) * 100_003 + chunk)
+                torch.manual_seed((args.seed * 100_003 + (draw or 0)) * 100_003 + chunk)
                 completions = generate_completions(model, prompts[start : start + chunk_size], width,
                                                    None if greedy else args.temperature, eos_token_id, pad_token_id,
                                                    args.cache_implementation)
@@ -930,7 +932,7 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
     if stop and rank == 0:
         print(f"stopped by {signal.Signals(signum).name}: checkpoint {path}; --resume_from auto continues")
     dist.barrier()
-    if stop:  # exit with 128 + the signal
+    if stop:
         dist.destroy_process_group()
         sys.exit(128 + signum)
 
@@ -1035,10 +1037,10 @@ OUTPUT_DIR_LOCK = []  # the first process's open output_dir/.lock
 
 
 def claim_output_dir(args, auto):
-    """The first process claims output_dir; every process must read its token there."""
+    """The first process claims output_dir (and checks --track); every process must read its token there."""
     verdict = [None, f"{os.uname().nodename} {os.getpid()} {time.time()}"]
     if dist.get_rank() == 0:
-        verdict[0] = output_dir_verdict(args, auto, verdict[1])
+        verdict[0] = output_dir_verdict(args, auto, verdict[1]) or tracking_problem(args)
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:
         raise ScriptError(verdict[0])
@@ -1070,6 +1072,17 @@ def output_dir_verdict(args, auto, token):
     auto = "--resume_from auto continues it, " if not finished or complete_checkpoints(args.output_dir) else ""
     return f"--output_dir {args.output_dir} holds another run ({', '.join(found)}): {auto}or remove it, or choose " \
            "another"
+
+
+def tracking_problem(args):
+    """--track online without a wandb key: wandb would raise once the models are loaded."""
+    if args.track:
+        import wandb
+
+        hook, mode = sys.excepthook, wandb.setup().settings.mode
+        sys.excepthook = hook  # not wandb's: it prints a refusal's traceback
+        if mode not in ("offline", "disabled", "dryrun") and not wandb.login(verify=False, prompt=False):
+            return "--track: wandb has no API key here: run `wandb login`, or set WANDB_MODE=offline"
 
 
 STOP_SIGNALS = []  # signals received (request_stop)
@@ -1290,4 +1303,7 @@ def check_checkpoint(path, args):
 
 if __name__ == "__main__":
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # output into a closed pipe (--help | head): exit quietly
-    main(tyro.cli(Args, use_underscores=True, console_outputs=os.environ.get("RANK", "0") == "0"))
+    first = os.environ.get("RANK", "0") == "0"  # tyro prints a value's refusal on every process: the first's alone
+    with contextlib.redirect_stderr(sys.stderr if first else open(os.devnull, "w")):
+        args = tyro.cli(Args, use_underscores=True, console_outputs=first)
+    main(args)

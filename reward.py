@@ -12,6 +12,7 @@ Run:  torchrun --nproc_per_node 2 reward.py --model_name_or_path runs/sft --data
 """
 
 import collections
+import contextlib
 import fcntl
 import glob
 import json
@@ -72,7 +73,7 @@ class Args:
     model_name_or_path: str = "runs/sft"
     """a hub id or a local model folder: the SFT model to start from"""
     dataset_name: str = "toy/preference"
-    """a hub id, a local .json/.jsonl/.parquet/.csv file (its train split), or a folder of them"""
+    """a hub id, a local .json/.jsonl/.parquet/.csv file (train split), or a folder of them"""
     dataset_train_split: str = "train"
     """the split to train on (or, in a folder, a data file by its name)"""
     dataset_test_split: str = "test"
@@ -80,7 +81,7 @@ class Args:
     max_steps: OffOrAtLeast1 = -1
     """optimizer steps; -1: num_train_epochs epochs"""
     num_train_epochs: AtLeast1 = 1
-    """passes over the training split (when max_steps is -1)"""
+    """passes over the training split"""
     learning_rate: Positive = 1e-5
     """peak learning rate"""
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
@@ -207,7 +208,7 @@ def main(args):
 
     # 5. training loop
     model.train()
-    sums = collections.defaultdict(lambda: torch.zeros((), device=device))  # this rank's, since the last log line
+    sums = collections.defaultdict(lambda: torch.zeros((), device=device))  # this rank's, since the last log
     logged, window_start = start_step, time.time()
     for step in range(start_step + 1, args.num_training_steps + 1):
         batch = global_batch(step - 1, len(train["prompt"]), args.batch_size, args.seed)
@@ -215,13 +216,13 @@ def main(args):
         for micro in micro_batches(batch, args):
             chosen, rejected, tokens = score_pairs(model, train, micro, pad_token_id)
             margins = chosen.new_tensor([train["margin"][i] for i in micro])
-            # ALGO LOGIC: the mean over the global batch of pairs, whatever the split (each part divided by its size)
+            # ALGO LOGIC: the mean over the global batch of pairs, whatever the split
             loss = bradley_terry_loss(chosen, rejected, margins).sum() / args.batch_size
             loss.backward()
             step_loss += loss.detach()
             pairs = {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/margins": chosen - rejected,
                      "rewards/accuracies": (chosen > rejected).float()}
-            for name, values in pairs.items():  # means over the global batch
+            for name, values in pairs.items():
                 sums[name] += values.detach().sum() / args.batch_size
             sums["tokens"] += tokens
         lr, grad_norm, stop = optimizer_step(model, optimizer, scheduler, step_loss, step, args)
@@ -611,7 +612,7 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
     if stop and rank == 0:
         print(f"stopped by {signal.Signals(signum).name}: checkpoint {path}; --resume_from auto continues")
     dist.barrier()
-    if stop:  # exit with 128 + the signal
+    if stop:
         dist.destroy_process_group()
         sys.exit(128 + signum)
 
@@ -716,10 +717,10 @@ OUTPUT_DIR_LOCK = []  # the first process's open output_dir/.lock
 
 
 def claim_output_dir(args, auto):
-    """The first process claims output_dir; every process must read its token there."""
+    """The first process claims output_dir (and checks --track); every process must read its token there."""
     verdict = [None, f"{os.uname().nodename} {os.getpid()} {time.time()}"]
     if dist.get_rank() == 0:
-        verdict[0] = output_dir_verdict(args, auto, verdict[1])
+        verdict[0] = output_dir_verdict(args, auto, verdict[1]) or tracking_problem(args)
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:
         raise ScriptError(verdict[0])
@@ -751,6 +752,17 @@ def output_dir_verdict(args, auto, token):
     auto = "--resume_from auto continues it, " if not finished or complete_checkpoints(args.output_dir) else ""
     return f"--output_dir {args.output_dir} holds another run ({', '.join(found)}): {auto}or remove it, or choose " \
            "another"
+
+
+def tracking_problem(args):
+    """--track online without a wandb key: wandb would raise once the models are loaded."""
+    if args.track:
+        import wandb
+
+        hook, mode = sys.excepthook, wandb.setup().settings.mode
+        sys.excepthook = hook  # not wandb's: it prints a refusal's traceback
+        if mode not in ("offline", "disabled", "dryrun") and not wandb.login(verify=False, prompt=False):
+            return "--track: wandb has no API key here: run `wandb login`, or set WANDB_MODE=offline"
 
 
 STOP_SIGNALS = []  # signals received (request_stop)
@@ -946,4 +958,7 @@ def check_checkpoint(path, args):
 
 if __name__ == "__main__":
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # output into a closed pipe (--help | head): exit quietly
-    main(tyro.cli(Args, use_underscores=True, console_outputs=os.environ.get("RANK", "0") == "0"))
+    first = os.environ.get("RANK", "0") == "0"  # tyro prints a value's refusal on every process: the first's alone
+    with contextlib.redirect_stderr(sys.stderr if first else open(os.devnull, "w")):
+        args = tyro.cli(Args, use_underscores=True, console_outputs=first)
+    main(args)

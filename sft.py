@@ -1,13 +1,13 @@
-"""Supervised fine-tuning (SFT) in one file: next-token cross-entropy on the completion tokens of prompt/completion
-pairs. Paper: the SFT stage of InstructGPT (arXiv:2203.02155). Unlike a plain LM loss: (1) only completion tokens,
-EOS included (masks come from lengths: EOS is learnt even when pad == eos); (2) divided by the completion tokens of the
-whole global batch, so the update does not depend on its split over processes and accumulation steps.
+"""Supervised fine-tuning (SFT) in one file: next-token cross-entropy on prompt/completion pairs.
+Paper: the SFT stage of InstructGPT (arXiv:2203.02155). Unlike a plain LM loss: (1) only completion tokens, EOS
+included (masks come from lengths: EOS is learnt even when pad == eos); (2) divided by the whole global batch's
+completion tokens, whatever its split over processes and accumulation steps.
 Run (the toy task's command: README):
       torchrun --nproc_per_node 8 sft.py --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name trl-lib/Capybara --track
 """
 
-
 import collections
+import contextlib
 import fcntl
 import glob
 import json
@@ -69,7 +69,7 @@ class Args:
     model_name_or_path: str = "toy/model"
     """a hub id or a local model folder (default: examples/toy_task.py's model)"""
     dataset_name: str = "toy/sft"
-    """a hub id, a local .json/.jsonl/.parquet/.csv file (its train split), or a folder of them"""
+    """a hub id, a local .json/.jsonl/.parquet/.csv file (train split), or a folder of them"""
     dataset_train_split: str = "train"
     """the split to train on (or, in a folder, a data file by its name)"""
     dataset_test_split: str = "test"
@@ -77,7 +77,7 @@ class Args:
     max_steps: OffOrAtLeast1 = -1
     """optimizer steps; -1: num_train_epochs epochs"""
     num_train_epochs: AtLeast1 = 3
-    """passes over the training split (when max_steps is -1)"""
+    """passes over the training split"""
     learning_rate: Positive = 2e-5
     """peak learning rate"""
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
@@ -133,8 +133,8 @@ class Args:
 
 
 def tokenize_sft(dataset, tokenizer, args):
-    """prompt/completion rows (strings or messages) or messages rows (the last one is the completion) -> token ids;
-    empty and over-long rows dropped and counted."""
+    """prompt/completion rows (strings or messages) or messages rows -> token ids; empty and
+    over-long rows dropped and counted."""
     columns = dataset.column_names
     if "prompt" in columns and "completion" in columns:
         pairs = zip(dataset["prompt"], dataset["completion"])
@@ -190,7 +190,7 @@ def main(args):
     tokenizer, pad_token_id, train, test, dropped = load_data(args, tokenize_sft)
     epochs_of(len(train["prompt"]), args, dropped)
 
-    # 3. model + FSDP2 (fp32 master weights; bf16 compute on GPU by the mixed precision policy)
+    # 3. model + FSDP2
     model, report = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args, "--model_name_or_path")
     check_weights(model, report, args.model_name_or_path, "--model_name_or_path")
     model = shard_model(model, args, mesh)
@@ -201,12 +201,12 @@ def main(args):
 
     # 5. training loop
     model.train()
-    sums = collections.defaultdict(lambda: torch.zeros((), device=device))  # this rank's, since the last log line
+    sums = collections.defaultdict(lambda: torch.zeros((), device=device))  # this rank's, since the last log
     logged, window_start = start_step, time.time()
     for step in range(start_step + 1, args.num_training_steps + 1):
         batch = global_batch(step - 1, len(train["prompt"]), args.batch_size, args.seed)
-        num_tokens = sum(len(train["completion"][i]) for i in batch)  # over the whole global batch, not this rank's
-        step_loss = 0.0  # this rank's share of the global mean (summed over ranks when logged)
+        num_tokens = sum(len(train["completion"][i]) for i in batch)
+        step_loss = 0.0  # this rank's share of the global mean
         for micro in micro_batches(batch, args):
             # ALGO LOGIC: each micro-batch's summed loss / the global batch's tokens: the global token mean
             loss, tokens = sft_loss(model, train, micro, pad_token_id, num_tokens)
@@ -461,33 +461,39 @@ HEAD_ROWS = 1024  # 0.9 GiB of logits for a vocabulary of 151,936
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """log_softmax(head(hidden)) at `labels` (and entropies), HEAD_ROWS rows at a time; the backward recomputes a
-    chunk's softmax as its logits' gradient in place (autograd would keep them), the head's gradient summed in fp32."""
+    """log_softmax(head(hidden)) at `labels` (and entropies), HEAD_ROWS rows at a time; the backward recomputes the
+    softmax as the logits' gradient (autograd would keep the logits), a vocabulary slice for all rows at a time (as
+    many logits as a chunk's): a slice's head gradient is one matrix product, no fp32 copy of the head."""
 
     @staticmethod
     def forward(ctx, hidden, labels, with_entropy, weight, bias=None):
-        logprobs, entropy = torch.zeros(2, len(labels), device=hidden.device)
+        logprobs, entropy, log_z = torch.zeros(3, len(labels), device=hidden.device)
         for rows in torch.arange(len(labels), device=hidden.device).split(HEAD_ROWS):
-            log_p = F.linear(hidden[rows], weight, bias).log_softmax(-1, dtype=torch.float32)  # one kernel
+            logits = F.linear(hidden[rows], weight, bias)
+            log_p = logits.log_softmax(-1, dtype=torch.float32)  # one kernel
             logprobs[rows] = log_p.gather(1, labels[rows, None])[:, 0]
+            log_z[rows] = logits.gather(1, labels[rows, None])[:, 0] - logprobs[rows]  # the softmax's log divisor
             entropy[rows] = -(log_p.exp() * log_p).sum(-1) if with_entropy else 0
-        ctx.save_for_backward(hidden, labels, logprobs, weight, bias)
+        ctx.save_for_backward(hidden, labels, logprobs, log_z, weight, bias)
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad, _):
-        hidden, labels, logprobs, weight, bias = ctx.saved_tensors
-        grad, grad_hidden = -grad[:, None], torch.empty_like(hidden)  # logits' gradient: grad x (one-hot - softmax)
-        sums = [None if p is None else torch.zeros_like(p, dtype=torch.float32) for p in (weight, bias)]
-        for rows in torch.arange(len(labels), device=hidden.device).split(HEAD_ROWS):
-            probs = F.linear(hidden[rows], weight, bias).softmax(-1)  # in the weights' dtype
-            probs.scatter_(1, labels[rows, None], (logprobs[rows, None].exp() - 1).to(probs.dtype))  # - one-hot
-            grad_hidden[rows] = (probs @ weight * grad[rows]).to(hidden.dtype)
-            sums[0] += probs.T @ (hidden[rows] * grad[rows]).to(probs.dtype)
-            if bias is not None:
-                sums[1] += probs.T @ grad[rows, 0].to(probs.dtype)
-        return grad_hidden, None, None, *sums
+        hidden, labels, logprobs, log_z, weight, bias = ctx.saved_tensors
+        grad = -grad[:, None]  # the logits' gradient: grad x (one-hot - softmax)
+        head, scaled = [p for p in (weight, bias) if p is not None], (hidden * grad).to(hidden.dtype)
+        grads, grad_hidden = [torch.empty_like(p) for p in head], torch.zeros_like(hidden, dtype=torch.float32)
+        size = max(HEAD_ROWS * len(weight) // len(hidden), 1)
+        for start in range(0, len(weight), size):
+            w, *b = (p[start : start + size] for p in head)
+            probs = F.linear(hidden, w, *b).float().sub_(log_z[:, None]).exp_().to(w.dtype)  # rounded once
+            here = (labels >= start) & (labels < start + size)  # - one-hot at this slice's labels
+            probs[here, labels[here] - start] = (logprobs[here].exp() - 1).to(probs.dtype)
+            grad_hidden += probs @ w * grad
+            for whole, x in zip(grads, (scaled, grad[:, 0].to(probs.dtype))):
+                whole[start : start + size] = probs.T @ x
+        return grad_hidden.to(hidden.dtype), None, None, *grads, None  # a None to spare: no bias
 
 
 def make_optimizer(model, args):
@@ -579,7 +585,7 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
     if stop and rank == 0:
         print(f"stopped by {signal.Signals(signum).name}: checkpoint {path}; --resume_from auto continues")
     dist.barrier()
-    if stop:  # exit with 128 + the signal
+    if stop:
         dist.destroy_process_group()
         sys.exit(128 + signum)
 
@@ -684,10 +690,10 @@ OUTPUT_DIR_LOCK = []  # the first process's open output_dir/.lock
 
 
 def claim_output_dir(args, auto):
-    """The first process claims output_dir; every process must read its token there."""
+    """The first process claims output_dir (and checks --track); every process must read its token there."""
     verdict = [None, f"{os.uname().nodename} {os.getpid()} {time.time()}"]
     if dist.get_rank() == 0:
-        verdict[0] = output_dir_verdict(args, auto, verdict[1])
+        verdict[0] = output_dir_verdict(args, auto, verdict[1]) or tracking_problem(args)
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:
         raise ScriptError(verdict[0])
@@ -719,6 +725,17 @@ def output_dir_verdict(args, auto, token):
     auto = "--resume_from auto continues it, " if not finished or complete_checkpoints(args.output_dir) else ""
     return f"--output_dir {args.output_dir} holds another run ({', '.join(found)}): {auto}or remove it, or choose " \
            "another"
+
+
+def tracking_problem(args):
+    """--track online without a wandb key: wandb would raise once the models are loaded."""
+    if args.track:
+        import wandb
+
+        hook, mode = sys.excepthook, wandb.setup().settings.mode
+        sys.excepthook = hook  # not wandb's: it prints a refusal's traceback
+        if mode not in ("offline", "disabled", "dryrun") and not wandb.login(verify=False, prompt=False):
+            return "--track: wandb has no API key here: run `wandb login`, or set WANDB_MODE=offline"
 
 
 STOP_SIGNALS = []  # signals received (request_stop)
@@ -932,4 +949,7 @@ def check_checkpoint(path, args):
 
 if __name__ == "__main__":
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # output into a closed pipe (--help | head): exit quietly
-    main(tyro.cli(Args, use_underscores=True, console_outputs=os.environ.get("RANK", "0") == "0"))
+    first = os.environ.get("RANK", "0") == "0"  # tyro prints a value's refusal on every process: the first's alone
+    with contextlib.redirect_stderr(sys.stderr if first else open(os.devnull, "w")):
+        args = tyro.cli(Args, use_underscores=True, console_outputs=first)
+    main(args)

@@ -1,8 +1,9 @@
 """The training log-probs through the output head, forward and backward: the scripts' HeadLogprobs (an autograd
-Function whose backward recomputes a chunk's softmax and forms the logits' gradient from it, the head's gradient summed
-in fp32) at 512, 1,024 and 2,048 rows a chunk, the same with each chunk's passes compiled (torch.compile: a candidate
-for fewer passes over the logits), against autograd through checkpointed chunks of 512 rows (log_softmax then gather)
-and, on a GPU, TRL's ChunkedLogProbFunction (Triton kernels). Qwen2.5-0.5B's head (896 x 151,936), best of --repeats:
+Function whose backward recomputes the softmax, as many logits at a time as a chunk of rows has, a vocabulary slice for
+all rows, and forms the logits' gradient from it) at 512, 1,024 and 2,048 rows a chunk, a backward by chunks of rows
+with each chunk's passes compiled (torch.compile: a candidate for fewer passes over the logits), against autograd
+through checkpointed chunks of 512 rows (log_softmax then gather) and, on a GPU, TRL's ChunkedLogProbFunction (Triton
+kernels). Qwen2.5-0.5B's head (896 x 151,936), best of --repeats:
 seconds, peak memory above the inputs, and each gradient's largest error against the same computed in float32.
 Usage: python bench/head_backward.py [--device cuda --dtype bfloat16 --rows 16384] [--threads 2] [--temperature 1.0]"""
 import argparse
@@ -44,14 +45,15 @@ def chunk_logprobs(hidden, weight, labels):
 
 @torch.compile
 def chunk_gradients(hidden, weight, labels, logprobs, grad):
-    """A chunk's backward as HeadLogprobs computes it, for inductor to fuse the softmax, the one-hot and the scaling."""
+    """A chunk of rows' backward, for inductor to fuse the softmax, the one-hot and the scaling."""
     probs = torch.nn.functional.linear(hidden, weight).softmax(-1)
     probs = probs.scatter(1, labels[:, None], (logprobs[:, None].exp() - 1).to(probs.dtype))
     return (probs @ weight * grad).to(hidden.dtype), probs.T @ (hidden * grad).to(probs.dtype)
 
 
 class CompiledChunks(torch.autograd.Function):
-    """HeadLogprobs' chunks (no bias, no entropy), each chunk's passes compiled."""
+    """HeadLogprobs' forward (no bias, no entropy); the backward by chunks of rows, each chunk's passes compiled, the
+    head's gradient summed in fp32."""
 
     @staticmethod
     def forward(ctx, hidden, labels, weight):

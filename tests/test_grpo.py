@@ -11,6 +11,7 @@ import math
 import os
 import shutil
 import statistics
+import time
 from decimal import Decimal
 from types import SimpleNamespace
 
@@ -22,7 +23,6 @@ from grpo import (
     accumulate_gradients,
     best_and_worst,
     completion_logprobs,
-    frozen_pass,
     generate_completions,
     grpo_loss,
     group_advantages,
@@ -30,12 +30,14 @@ from grpo import (
     kl_estimate,
     loss_normaliser,
     make_batch,
+    no_grad_pass,
     online_dpo_loss,
     parse_answer,
     rejection_sample,
     rollout_rewards,
     shard_model,
     tokenize_prompts,
+    training_rows,
     unsharded,
     verifier_reward,
     window_metrics,
@@ -198,26 +200,28 @@ def test_advantages_for_each_scale_rewards():
         args = SimpleNamespace(advantage_estimator=estimator, scale_rewards="group")
         advantages, zero_std = group_advantages(rewards, torch.ones(6), 3, args)
         assert advantages[:3].tolist() == [0.0, 0.0, 0.0] and zero_std.tolist() == [True, False], estimator
-    # a reward model's scores of one completion differ in their last bits with the rows scored beside it (so with the
-    # number of processes): within 1e-5 they are equal, where the exact comparison gave a group of the same text
-    # advantages up to 2.4e-3 and online DPO a pair (tests/test_training_loop.py's online DPO runs score with one)
-    rewards = torch.tensor([0.75, 0.75 + 3e-7, 0.75, 0.75, 0.75, 0.75 + 2e-5, 0.75, 0.75])
+    # rewards that differ have a spread, however little: the 1e-4 added to the std keeps its advantages as little
+    # (copies of one text score alike: test_copies_of_a_text_score_alike_whatever_the_rows_beside_them)
+    rewards = torch.tensor([0.75, 0.75, 0.75, 0.75, 0.75, 0.75 + 6e-8, 0.75, 0.75])
     advantages, zero_std = group_advantages(rewards, torch.ones(8), 4, SimpleNamespace(advantage_estimator="grpo",
                                                                                        scale_rewards="group"))
-    assert advantages[:4].tolist() == [0.0] * 4 and advantages[4:].abs().min() > 0.01
+    assert advantages[:4].tolist() == [0.0] * 4 and 0 < advantages[4:].abs().max() < 1e-3
     assert zero_std.tolist() == [True, False]
 
 
 # ---------------------------------------------------------------------------------------------- DAPO
 def test_dynamic_sampling_decides_on_the_outcome_per_group(toy):
-    """A group has a spread when its outcomes lie more than 1e-5 apart: not with all equal, nor with a reward model's
-    near-equal scores of one text (-9.872700 scored alone, -9.872703 beside other rows); yes with one odd completion,
-    the whole group (rloo's advantages then move every row of it). The outcome is the verifier's, whatever the reward
-    mix: a group all wrong whose rewards differ by the missing-EOS penalty has none (its shaping alone would pass)."""
-    outcomes = torch.tensor([1.0, 1, 1, 1, -9.872700, -9.872703, -9.872700, -9.872701, 0, 0, 1, 0, 0.5, 0.5, 0.5, 0.5])
-    assert has_spread(outcomes, 4).tolist() == [False, False, True, False]
+    """A group has a spread when its outcomes differ: not with all equal; yes with one odd completion, the whole group
+    (rloo's advantages then move every row of it); among its usable rows only (online DPO with
+    --mask_truncated_completions: a truncated odd one makes no pair), none with fewer than two. The outcome is the
+    verifier's, whatever the reward mix: a group all wrong whose rewards differ by the missing-EOS penalty has none
+    (its shaping alone would pass)."""
+    outcomes = torch.tensor([1.0, 1, 1, 1, -9.8727, -9.8727, -9.8727, -9.8726, 0, 0, 1, 0, 0.5, 0.5, 0.5, 0.5])
+    assert has_spread(outcomes, 4).tolist() == [False, True, True, False]
+    usable = torch.tensor([True] * 7 + [False] + [True, False, False, False] + [True] * 4)
+    assert has_spread(outcomes, 4, usable).tolist() == [False, False, False, False]
     rloo, _ = group_advantages(outcomes, torch.ones(16), 4, SimpleNamespace(advantage_estimator="rloo"))
-    assert rloo.view(4, 4)[2].abs().min() > 0.3 and not rloo.view(4, 4)[[0, 1, 3]].any()
+    assert rloo.view(4, 4)[[1, 2]].abs().min() > 1e-5 and not rloo.view(4, 4)[[0, 3]].any()
     tokenizer = AutoTokenizer.from_pretrained(toy / "model")
     right, wrong = (tokenizer(" " + text)["input_ids"] for text in ("12", "21"))
     completions = [wrong + [tokenizer.eos_token_id], wrong, right + [tokenizer.eos_token_id], wrong]
@@ -229,6 +233,94 @@ def test_dynamic_sampling_decides_on_the_outcome_per_group(toy):
     assert scored["ended"].tolist() == [True, False, True, False]
     assert has_spread(scored["outcome"], 2).tolist() == [False, True]
     assert has_spread(scored["reward"], 2).tolist() == [True, True]
+
+
+def test_training_rows_by_hand():
+    """A rollout's rows to train on, worked by hand. Rejection sampling kept G = 2 of N = 3 candidates of each of 3
+    prompts; the groups with a spread come first, in sampling order, then (at the cap) the others; the metrics are
+    those of the chosen groups (of all their candidates: candidate_scores). Online DPO pairs each chosen group's best
+    and worst completion of those in the loss: with rewards [0, 1, 0, -1 (truncated, masked), ...] the pair is (1, 0),
+    not (1, 3), which the mask would drop whole."""
+    rewards = torch.tensor([1.0, 0.5, 1, 0, 1, 0.25, 0.5, 1, 0])  # 3 prompts x 3 candidates
+    kept = [0, 2, 3, 4, 7, 8]
+    spread = has_spread(rewards[kept], 2)
+    assert spread.tolist() == [False, True, True]
+    args = SimpleNamespace(num_generations=2, num_candidates=3, dynamic_sampling=2, policy_loss="clip")
+    everything = torch.ones(9, dtype=torch.bool)
+    rows, stats = training_rows(kept, spread, rewards, everything, 2, args)
+    assert rows == [3, 4, 7, 8]
+    assert stats == {"objective/scores": 0.5, "objective/candidate_scores": pytest.approx(2.75 / 6),
+                     "dynamic_sampling/groups_filtered": 1, "dynamic_sampling/groups_short": 0}
+    rows, stats = training_rows(kept, spread, rewards, everything, 3, args)  # at the cap: the group without fills
+    assert rows == [3, 4, 7, 8, 0, 2] and stats["dynamic_sampling/groups_short"] == 1
+    assert stats["objective/scores"] == pytest.approx(4 / 6)
+    assert stats["objective/candidate_scores"] == pytest.approx(5.25 / 9)
+    rewards = torch.tensor([0.0, 1, 0, -1, 0, 0, 1, 0, 5, 5, 5, 5])  # online DPO, G = N = 4, the third group flat
+    usable = torch.tensor([True, True, True, False] + [True] * 8)
+    args = SimpleNamespace(num_generations=4, num_candidates=4, dynamic_sampling=1, policy_loss="dpo")
+    rows, stats = training_rows(list(range(12)), has_spread(rewards, 4, usable), rewards, usable, 3, args)
+    assert rows == [1, 0, 6, 4, 8, 8] and stats == {"objective/scores": pytest.approx(21 / 12)}
+
+
+def test_copies_of_a_text_score_alike_whatever_the_rows_beside_them(toy):
+    """A reward model's score of a text moves with the rows scored beside it: in bf16 by a whole bf16 step (GPUs run
+    the reward model in bf16), copies of one completion scored in micro-batches of 3 get -0.0500 and -0.0518. Each
+    distinct (prompt, completion) is scored once, so copies tie exactly: a group of them has no spread (no advantage,
+    no online DPO pair of one text twice), whatever the order of the rows."""
+    tokenizer = AutoTokenizer.from_pretrained(toy / "model")
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    copy = encode(" 1 2 3") + [tokenizer.eos_token_id]
+    others = [encode(text) for text in (" 1 2 3 4 5 6 7 8 9", " 3", " 2 1 3 3 3 3 3 3 3 3 3 3", " 9 9")]
+    args = SimpleNamespace(reward_fn=None, reward_fn_weight=1.0, missing_eos_penalty=0.0, overlong_buffer=None,
+                           reward_model_path="rm", reward_model_weight=1.0, local_rollout_forward_batch_size=3,
+                           max_completion_length=16, policy_loss="clip", temperature=1.0)
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_pretrained(toy / "model", num_labels=1).to(torch.bfloat16).eval()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for order in ([0, 1, 2, 3, 4, 5, 6, 7], [0, 4, 1, 5, 2, 6, 3, 7]):  # 4 copies, then 4 other texts
+            completions = [([copy] * 4 + others)[i] for i in order]
+            rollout = {"prompt": [encode("sort: 3 1 2 ->")] * 8, "completion": completions, "answer": [None] * 8}
+            alone = no_grad_pass(rm, rollout, 0, args, scores=True)[:, 0]
+            copies = [i for i, c in enumerate(completions) if c == copy]
+            assert len(set(alone[copies].tolist())) > 1  # the control: scored row by row they differ
+            rewards = rollout_rewards(rollout, rm, tokenizer, 0, args, torch.device("cpu"))["reward"]
+            assert len(set(rewards[copies].tolist())) == 1, rewards
+        assert has_spread(rewards[copies], 4).tolist() == [False]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dynamic_sampling_reads_the_prompts_in_order_once_an_epoch(toy, sft_model, tmp_path, monkeypatch):
+    """Each rollout reads the next batches of prompts in the data's order (global_batch 0, 1, 2, ...), whatever rounds
+    it takes: an epoch of 4 batches of 2 prompts reads each of the 8 prompts once, a line says where the next epoch
+    begins, and the checkpoint keeps the position. Round r of rollout i once read batch i R + r: some prompts 2-4 times
+    an epoch, others never. While a rollout's rounds go on, a line a minute says how far they are (the clock here
+    runs 61 s a reading). In this test's process (run_in_process), one process."""
+    from toy_task import in_flawed_subset
+
+    rows = [line for line in open(toy / "prompts" / "train.jsonl") if in_flawed_subset(json.loads(line)["prompt"])]
+    (tmp_path / "prompts.jsonl").write_text("".join(rows[:8]))  # the SFT model is right on these some of the time
+    clock = itertools.count(time.time(), 61)
+    monkeypatch.setattr(time, "time", lambda: next(clock))
+    flags = ["--per_device_train_batch_size", 8, "--num_generations", 4, "--dynamic_sampling", 3, "--max_steps", 6,
+             "--save_every", 6, "--max_completion_length", 8, "--dataset_test_split", "none"]
+    error, printed = run_in_process("grpo.py", grpo_args(sft_model[0], tmp_path / "prompts.jsonl", tmp_path / "out",
+                                                         *flags))
+    assert error is None, printed[-3000:]
+    metrics = read_metrics(tmp_path / "out")
+    rounds = [int(row["dynamic_sampling/rounds"]) for row in metrics]
+    read = [0] + list(itertools.accumulate(rounds))  # batches read before each rollout
+    epochs = [f"rollout {i + 1}: epoch {b // 4 + 1} of the prompts begins" for i in range(len(rounds))
+              for b in range(read[i], read[i + 1]) if b % 4 == 0 and b > 0]
+    assert max(rounds) > 1 and epochs, rounds  # more than one round, and past an epoch of batches
+    assert [line for line in printed.splitlines() if "of the prompts begins" in line] == epochs
+    going_on = [int(line.split(":")[0].split()[1]) for line in printed.splitlines() if " rounds of up to 3, " in line]
+    expected = [i + 1 for i, (n, row) in enumerate(zip(rounds, metrics))
+                for _ in range(n - (row["dynamic_sampling/groups_short"] == 0))]
+    assert going_on == expected, printed[-3000:]
+    state = torch.load(tmp_path / "out" / "checkpoints" / "step_6" / "rank0.pt", weights_only=True)["state"]
+    assert state == {"batches": sum(rounds)}
 
 
 def test_soft_overlong_punishment_equals_trls(toy):
@@ -326,11 +418,13 @@ def test_window_metrics_per_loss_token_per_completion_and_per_step():
 
 # ---------------------------------------------------------------------------------------------- online DPO
 def test_online_dpo_pairs_the_best_and_the_worst_first_of_equals():
-    """Each group's chosen is its first highest reward, its rejected its first lowest; a group of equal rewards gives
-    a pair with no preference, which main marks (group_advantages over the pair: zero std) and the loss leaves out."""
+    """Each group's chosen is its first highest reward, its rejected its first lowest, of the usable completions; a
+    group of equal rewards gives a pair with no preference, which main marks (group_advantages over the pair: zero std)
+    and the loss leaves out."""
     rewards = torch.tensor([[0.5, 1.0, 1.0, 0.0], [2.0, 2.0, 2.0, 2.0], [3.0, -1.0, -1.0, 3.0]])
-    kept = best_and_worst(rewards)
+    kept = best_and_worst(rewards, torch.ones(3, 4, dtype=torch.bool))
     assert kept == [1, 3, 4, 4, 8, 9]
+    assert best_and_worst(rewards, torch.tensor([[True, False, True, False]] * 3)) == [2, 0, 4, 4, 8, 10]
     _, no_pair = group_advantages(rewards.flatten()[kept], torch.ones(6), 2, loss_args(advantage_estimator="grpo",
                                                                                        scale_rewards="group"))
     assert no_pair.tolist() == [False, True, False]
@@ -363,7 +457,7 @@ def test_online_dpo_loss_and_gradient_equal_trls():
 
 
 def test_online_dpo_log_probs_at_temperature_1_whatever_the_sampling_one():
-    """Sampling at T = 0.5, the reference and old log-probs (frozen_pass) and the loss's (accumulate_gradients) are
+    """Sampling at T = 0.5, the reference and old log-probs (no_grad_pass) and the loss's (accumulate_gradients) are
     log_softmax(logits) in online DPO, as in DPO and TRL's OnlineDPOTrainer; GRPO's are log_softmax(logits / T). No
     token counts as clipped in online DPO, whose loss clips nothing (pi / pi_old at e^0.5 on the chosen rows once put
     their 5 of the 9 tokens in clip_ratio/high), while the ratio's own metrics stay."""
@@ -383,7 +477,7 @@ def test_online_dpo_log_probs_at_temperature_1_whatever_the_sampling_one():
               for t in (1.0, 0.5)}
         for policy_loss, t in (("dpo", 1.0), ("clip", 0.5)):
             args.policy_loss = policy_loss
-            ref_logps, old_logps = frozen_pass(ref_model, rollout, 0, args), frozen_pass(policy, rollout, 0, args)
+            ref_logps, old_logps = no_grad_pass(ref_model, rollout, 0, args), no_grad_pass(policy, rollout, 0, args)
             torch.testing.assert_close(ref_logps * completion_mask, at[ref_model, t] * completion_mask)
             torch.testing.assert_close(old_logps * completion_mask, at[policy, t] * completion_mask)
         args.policy_loss = "dpo"
@@ -702,17 +796,28 @@ def test_bad_input(toy, tmp_path):
         (toy / "prompts", ["--rejection_sampling_beta", 1], "rejection sampling needs --num_candidates above G"),
         # online DPO: DPO's beta, micro-batches of whole pairs, and none of GRPO's flags (each was once ignored)
         (toy / "prompts", ["--policy_loss", "dpo", "--beta", 0], "--policy_loss dpo needs --beta above 0"),
-        (toy / "prompts", ["--policy_loss", "dpo", "--per_device_train_batch_size", 3], "not 0.04, 3 and []"),
+        (toy / "prompts", ["--policy_loss", "dpo", "--per_device_train_batch_size", 3],
+         "--policy_loss dpo needs an even --per_device_train_batch_size (whole pairs), not 3"),
         (toy / "prompts", ["--policy_loss", "dpo", "--loss_type", "sequence", "--epsilon", 0.3, "--epsilon_high", 0.28],
-         "none of GRPO's flags, not 0.04, 16 and ['--epsilon', '--epsilon_high', '--loss_type']"),
+         "--policy_loss dpo needs none of GRPO's flags, not ['--epsilon', '--epsilon_high', '--loss_type']"),
         (toy / "prompts", ["--policy_loss", "dpo", "--advantage_estimator", "rloo", "--scale_rewards", "none",
-                           "--importance_sampling_level", "sequence", "--kl_estimator", "k1"],
-         "and ['--advantage_estimator', '--scale_rewards', '--importance_sampling_level', '--kl_estimator']"),
+                           "--importance_sampling_level", "sequence", "--kl_estimator", "k1", "--beta", 0],
+         "needs --beta above 0, not 0.0; none of GRPO's flags, not ['--advantage_estimator', '--scale_rewards', "
+         "'--importance_sampling_level', '--kl_estimator']"),
         # DAPO's: at least one round; a punishment over 1 token at least, its factor not alone (it would do nothing)
         (toy / "prompts", ["--dynamic_sampling", 0], "--dynamic_sampling 0: must be at least 1"),
         (toy / "prompts", ["--overlong_buffer", 0], "--overlong_buffer 0: must be at least 1"),
         (toy / "prompts", ["--overlong_buffer", 4, "--overlong_penalty_factor", -1], "factor -1.0: must be 0 or more"),
         (toy / "prompts", ["--overlong_penalty_factor", 0.5], "--overlong_penalty_factor needs --overlong_buffer"),
+        (toy / "prompts", ["--overlong_penalty_factor", 1], "--overlong_penalty_factor needs --overlong_buffer"),
+        (toy / "prompts", ["--overlong_buffer", 13], "--overlong_buffer 13: at most --max_completion_length 12 (a "
+         "longer one punishes every completion)"),
+        # rewards are float32: a weight or penalty past its range (or NaN) would make them non-finite after sampling
+        (toy / "prompts", ["--overlong_buffer", 4, "--overlong_penalty_factor", "inf"],
+         "--overlong_penalty_factor inf: must be 0 or more, finite in float32 (the rewards')"),
+        (toy / "prompts", ["--missing_eos_penalty", 1e308], "--missing_eos_penalty 1e+308: must be 0 or more, finite"),
+        (toy / "prompts", ["--reward_fn_weight", "nan"], "--reward_fn_weight nan: not a number finite in float32"),
+        (toy / "prompts", ["--reward_model_weight", "-inf"], "--reward_model_weight -inf: must be finite in float32"),
     ]:
         error, _ = run_in_process("grpo.py", grpo_args(toy / "model", data, tmp_path / "out", *extra))
         assert isinstance(error, ValueError) and message in str(error), (message, repr(error))
@@ -818,7 +923,7 @@ def test_reward_model_scores(toy, tmp_path):
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
     rows = read_metrics(tmp_path / "out")
-    dynamic = {"rounds": 2, "groups_filtered": 2, "groups_short": 2}
+    dynamic = {"rounds": 2, "groups_filtered": 4, "groups_short": 2}  # all 4 sampled had no spread; 2 trained
     assert [{name: r[f"dynamic_sampling/{name}"] for name in dynamic} for r in rows] == [dynamic] * 2
     assert [r["objective/scores"] for r in rows] == [1.5, 1.5] and [r["frac_reward_zero_std"] for r in rows] == [
         1.0,

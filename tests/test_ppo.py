@@ -377,7 +377,7 @@ def test_window_metrics_per_loss_token_and_per_step():
     (val/num_eos_tokens among them: completions that ended) per step."""
     sums = {"tokens": 20.0, "processed": 50.0, "val/ratio": 20.0, "val/ratio_squared": 21.0, "val/clipfrac_avg": 4.0,
             "policy/clipfrac_avg": 2.0, "val/num_eos_tokens": 14.0, "objective/scores": 1.2}
-    metrics = window_metrics(sums, 2, 5.0, None)
+    metrics = window_metrics(sums, 2, 5.0)
     assert metrics["val/num_eos_tokens"] == 7.0 and metrics["objective/scores"] == 0.6
     assert metrics["val/clipfrac_avg"] == 0.2 and metrics["policy/clipfrac_avg"] == 0.1 and metrics["val/ratio"] == 1.0
     assert metrics["val/ratio_var"] == pytest.approx(21 / 20 - 1) and metrics["tokens_per_second"] == 10.0

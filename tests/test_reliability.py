@@ -866,6 +866,20 @@ def test_a_refusal_is_one_line_from_one_process_and_exit_status_2(toy, tmp_path)
     assert (plain.returncode, plain.stderr.strip()) == (2, line), plain.stderr[-3000:]
 
 
+def test_a_value_tyro_refuses_and_track_without_a_wandb_key_are_one_refusal(toy, tmp_path):
+    """tyro prints its refusal of a value (2.5 for an integer) on every process, whatever console_outputs says: the
+    other processes' stderr is muted while it parses, so the box shows once. --track without a wandb key (and not
+    offline) once failed after the data and the model had loaded, a 116-line traceback: now a one-line refusal."""
+    args = ["--model_name_or_path", toy / "model", "--dataset_name", toy / "sft", "--output_dir", tmp_path / "out"]
+    unlogged = {"HOME": str(tmp_path), "WANDB_CONFIG_DIR": str(tmp_path), "WANDB_API_KEY": "", "WANDB_MODE": "online"}
+    value = run_script("sft.py", args + ["--per_device_train_batch_size", "2.5"], nproc=2)
+    track = run_script("sft.py", args + ["--track"], nproc=2, env=unlogged)
+    assert value.returncode == 2 and (value.stdout + value.stderr).count("Value error") == 1, value.stderr[-3000:]
+    line = ("sft.py: error: --track: wandb has no API key here: run `wandb login`, or set "
+            "WANDB_MODE=offline\n")
+    assert track.returncode == 2 and track.stderr == line and "train:" not in track.stdout, track.stderr[-3000:]
+
+
 def test_help_spells_flags_as_the_readme_does(toy):
     """`--help` once listed `--learning-rate` where the README, the docstrings and every message say
     `--learning_rate`: the scripts' own parser uses underscores."""

@@ -145,8 +145,9 @@ def test_split_invariance(split_runs):
     for split, out in runs.items():
         rows, params = read_metrics(out), load_file(out / "model.safetensors")
         for key in ("step", "episode", "lr", "loss"):
-            # float order alone: reward.py's loss differed by 1.7e-5 relative at step 9 (a normalisation error is O(1))
-            assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref_rows], rel=2e-4, abs=1e-6), (
+            # float order alone (a normalisation error is O(1)): reward.py's loss differed by 5.07e-5 relative
+            rel = 2e-4 if script == "reward.py" else 5e-5
+            assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref_rows], rel=rel, abs=1e-6), (
                 script,
                 split,
                 key,
@@ -396,6 +397,30 @@ def test_shard_degree_on_four_processes_builds_one_mesh_of_that_shape(toy, tmp_p
             rows = int(line.split()[-1])  # the weight's rows; each process holds its share of them
             assert line == f"{rank} {mesh} {placements} {rows // shards} {rows}", (degree, line)
         assert len(lines) == 4, result.stdout[-2000:]
+
+
+def test_a_2_x_2_mesh_trains_as_4_x_1_and_4(toy, tmp_path):
+    """4 processes, the same 3 steps of sft.py on a 2 x 2 mesh (--shard_degree 2: gradients reduce-scattered within
+    each pair, then summed across the pairs), replicated 4 x 1 (--shard_degree 1) and sharded over all four (the
+    default): the same losses, gradient norms and weights, which moved."""
+    data = tmp_path / "small.jsonl"
+    data.write_text("".join(open(toy / "sft" / "train.jsonl").readlines()[:24]))
+    args = ["--model_name_or_path", toy / "model", "--dataset_name", data, "--max_steps", 3, "--learning_rate", 3e-3,
+            "--per_device_train_batch_size", 2, "--log_every", 1]
+    degrees = (2, 1, -1)
+    results = run_scripts([("sft.py", args + ["--shard_degree", d, "--output_dir", tmp_path / str(d)], 4)
+                           for d in degrees])
+    for result in results:
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
+    ref_rows, ref = read_metrics(tmp_path / "2"), load_file(tmp_path / "2" / "model.safetensors")
+    for degree in degrees[1:]:
+        rows, params = read_metrics(tmp_path / str(degree)), load_file(tmp_path / str(degree) / "model.safetensors")
+        for key in ("loss", "grad_norm"):
+            assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref_rows], rel=1e-5), (degree, key)
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref[name], atol=1e-5, rtol=1e-5, msg=f"{degree} {name}")
+    initial = load_file(toy / "model" / "model.safetensors")
+    assert max((ref[name] - initial[name]).abs().max().item() for name in initial if name in ref) > 1e-3
 
 
 def test_two_nodes_share_one_output_dir_or_stop(toy, tmp_path):
