@@ -109,6 +109,8 @@ class Args:
     """bf16 compute on GPU, fp32 parameters"""
     gradient_checkpointing: Resumable[bool] = False
     """recompute activations in the backward to save memory"""
+    padding_free: Resumable[bool] = True
+    """a micro-batch's sequences end to end, no padding (--no-padding_free: padded); the same update"""
     cpu_offload: Resumable[Offload] = False
     """parameters, gradients, optimizer state in CPU memory (FSDP2's CPUOffloadPolicy)"""
     shard_degree: Resumable[ShardDegree] = -1
@@ -355,7 +357,7 @@ def loss_temperature(args):
 
 
 @torch.no_grad()
-def rollout_rewards(rollout, reward_model, tokenizer, pad_token_id, args, device):
+def rollout_rewards(rollout, reward_model, tokenizer, args, device):
     """reward_fn_weight x verifier - missing_eos_penalty x (no EOS) - the overlong punishment + reward_model_weight x
     score (finite), which completions ended, the outcome: the verifier's, else the score."""
     completions = rollout["completion"]
@@ -372,38 +374,37 @@ def rollout_rewards(rollout, reward_model, tokenizer, pad_token_id, args, device
         texts = {}
         copy_of = [texts.setdefault((tuple(p), tuple(c)), len(texts)) for p, c in zip(rollout["prompt"], completions)]
         distinct = {"prompt": [p for p, _ in texts], "completion": [c for _, c in texts]}
-        scores = args.reward_model_weight * no_grad_pass(reward_model, distinct, pad_token_id, args, True)[copy_of, 0]
+        scores = args.reward_model_weight * no_grad_pass(reward_model, distinct, args, True)[copy_of, 0]
     sources = [f"--reward_fn {args.reward_fn} with the penalties", f"--reward_model_path {args.reward_model_path}"]
     check_rewards(torch.stack([rewards, scores], 1), sources)
     return {"reward": rewards + scores, "ended": ended, "outcome": correct if args.reward_fn else scores}
 
 
 @torch.no_grad()
-def no_grad_pass(net, rollout, pad_token_id, args, scores=False):
+def no_grad_pass(net, rollout, args, scores=False):
     """Log-probs of the completions at the loss's temperature (the reference's, the old policy's), or a reward
     model's scores."""
     device = next(net.parameters()).device
     table = torch.zeros(len(rollout["prompt"]), 1 if scores else args.max_completion_length, device=device)
     for rows, valid in rank_micro_batches(len(table), args.local_rollout_forward_batch_size):
-        ids, mask, completion_mask = batch_on(device, rollout["prompt"], rollout["completion"], rows, pad_token_id)
+        batch = make_batch(device, rollout["prompt"], rollout["completion"], rows, args)
         if scores:
-            values = sequence_scores(net, ids, mask)[:, None]
+            values = sequence_scores(net, batch)[:, None]
         else:
-            values = completion_logprobs(net, ids, mask, completion_mask.shape[1], loss_temperature(args))
+            values = completion_logprobs(net, batch, loss_temperature(args))
         table[rows, : values.shape[1]] += valid * values
     dist.all_reduce(table)
     return table
 
 
-def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token_id):
+def accumulate_gradients(model, rollout, mini, normaliser, args, sums):
     """One step's gradients from this rank's micro-batches of `mini`, statistics in `sums`."""
     device, step_loss = next(model.parameters()).device, 0.0
     for micro in micro_batches(mini, args):
-        input_ids, attention_mask, completion_mask = batch_on(device, rollout["prompt"], rollout["completion"], micro,
-                                                              pad_token_id)
-        width = completion_mask.shape[1]
+        batch = make_batch(device, rollout["prompt"], rollout["completion"], micro, args)
+        width = batch["completion_mask"].shape[1]
         mask, A = rollout["loss_mask"][micro, :width], rollout["advantages"][micro, None]
-        logps, entropy = completion_logprobs(model, input_ids, attention_mask, width, loss_temperature(args), True)
+        logps, entropy = completion_logprobs(model, batch, loss_temperature(args), True)
         old = rollout["old_logps"][micro, :width] if rollout["old_logps"] is not None else logps.detach()
         ref = rollout["ref_logps"][micro, :width] if rollout["ref_logps"] is not None else None
         if args.policy_loss == "dpo":
@@ -421,7 +422,8 @@ def accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token
                            "clip_ratio/high": (ratio > 1 + args.epsilon_high) & (A > 0) & (args.policy_loss != "dpo"),
                            "objective/kl": kl}
             stats = {name: (v * mask).sum() for name, v in token_stats.items() if v is not None}  # None: online DPO's
-            stats |= pair_stats | {"loss": loss.detach(), "tokens": mask.sum(), "processed": attention_mask.sum()}
+            stats |= pair_stats | {"loss": loss.detach(), "tokens": mask.sum()}
+            stats["processed"] = batch["tokens"]
             for name, value in stats.items():
                 sums[name] += value
     return step_loss
@@ -482,6 +484,9 @@ def main(args):
     model = load_model(AutoModelForCausalLM, path, args, flag, mesh)
     ref_model = load_model(AutoModelForCausalLM, path, args, flag, mesh, frozen=True) if args.beta > 0 else None
     reward_model = load_reward_model(args, tokenizer, mesh) if args.reward_model_path else None
+    check_layout(model, train["prompt"], train["prompt"], args, flag)
+    if reward_model:
+        check_layout(reward_model, train["prompt"], train["prompt"], args, "--reward_model_path")
 
     # 4. optimizer and LR schedule (or both restored by --resume_from)
     optimizer, scheduler, start_step, state = make_optimizer(model, args)
@@ -509,7 +514,7 @@ def main(args):
                                                                 tokenizer.eos_token_id, pad_token_id)
 
             # 3. the rewards; rejection sampling keeps G of N (not the policy's gradient then)
-            part |= rollout_rewards(part, reward_model, tokenizer, pad_token_id, args, device)
+            part |= rollout_rewards(part, reward_model, tokenizer, args, device)
             picked = range(P * N) if N == G else rejection_sample(part["reward"].view(-1, N).cpu(), G,
                                                                   args.rejection_sampling_beta, generator)
             kept += [len(rollout["prompt"]) + i for i in picked]
@@ -529,8 +534,8 @@ def main(args):
             stats["dynamic_sampling/rounds"] = round_index + 1
         rollout = {name: [column[i] for i in rows] for name, column in rollout.items()}
         rewards, lengths, ended = (torch.stack(rollout.pop(name)) for name in ("reward", "length", "ended"))
-        rollout["ref_logps"] = no_grad_pass(ref_model, rollout, pad_token_id, args) if ref_model else None
-        rollout["old_logps"] = no_grad_pass(model, rollout, pad_token_id, args) if args.num_iterations > 1 else None
+        rollout["ref_logps"] = no_grad_pass(ref_model, rollout, args) if ref_model else None
+        rollout["old_logps"] = no_grad_pass(model, rollout, args) if args.num_iterations > 1 else None
 
         # 4. the tokens in the loss, and the advantages
         rollout["loss_mask"] = (torch.arange(args.max_completion_length, device=device) < lengths[:, None]).float()
@@ -551,7 +556,7 @@ def main(args):
         for k, mini in enumerate(rollout_mini_batches(rollout_index, args.num_iterations, args, K if dpo else 1)):
             update_start = time.time()
             normaliser = loss_normaliser(rollout["loss_mask"][mini], args)
-            step_loss = accumulate_gradients(model, rollout, mini, normaliser, args, sums, pad_token_id)
+            step_loss = accumulate_gradients(model, rollout, mini, normaliser, args, sums)
             step = rollout_index * steps_per_rollout + k + 1
             lr, grad_norm, stop = optimizer_step(model, optimizer, scheduler, step_loss, step, args)
             progress.update(1)
@@ -566,7 +571,7 @@ def main(args):
                 if is_due(step, args.eval_every, args) and test:
                     test["completion"], test["length"] = sample_rollout(model, test["prompt"], None, args,
                                                                         tokenizer.eos_token_id, pad_token_id)
-                    scored = rollout_rewards(test, reward_model, tokenizer, pad_token_id, args, device)["reward"]
+                    scored = rollout_rewards(test, reward_model, tokenizer, args, device)["reward"]
                     metrics["eval/scores"] = scored.mean().item()
                 if not learned and rank == 0:
                     print(f"steps {logged + 1}-{step}: no advantage or pair in the loss (equal rewards, or masked)")
@@ -652,7 +657,7 @@ def load_split(name, split):
         names = [os.path.basename(f) for f in files.get(split, [])]
         raise ScriptError(f"dataset {name!r}, split {split!r} {names} does not load ({e.__cause__ or e}): name one "
                           "file as the split (its name without extension)") from e
-    except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as e:  # offline, not found
+    except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as e:
         raise ScriptError(f"--dataset_name {name!r}: not here, and the hub says: {e}") from e
 
 
@@ -740,18 +745,40 @@ def pad(sequences, value, side):
     return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value, padding_side=side)
 
 
-def make_batch(prompts, completions, pad_token_id):
-    """[left-padded prompts | right-padded completions], masks from the lengths, not pad_token_id (EOS stays in the
-    loss when pad == eos)."""
-    input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
-    completion_mask = pad([[1] * len(c) for c in completions], 0, "right")
-    return input_ids, torch.cat([pad([[1] * len(p) for p in prompts], 0, "left"), completion_mask], 1), completion_mask
+def make_batch(device, prompts, completions, rows, args):
+    """A micro-batch of `rows` on the device: sequences end to end in right-padded rows, positions restarting at each
+    (no attention mask: causal attention never reads a later pad, the positions part packed sequences); one a row,
+    or (--padding_free) packed best fit into rows as long as the longest. Also each completion token's flat index,
+    each sequence's last token's, and the tokens but padding."""
+    prompts, completions = [prompts[i] for i in rows], [completions[i] for i in rows]
+    lengths, tokens, positions = [len(p) + len(c) for p, c in zip(prompts, completions)], [], []
+    first = [0] * len(lengths)  # each completion's first token
+    width = max(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fits = [r for r in range(len(tokens)) if args.padding_free and len(tokens[r]) + lengths[i] <= width]
+        r = max(fits, key=lambda r: len(tokens[r]), default=len(tokens))
+        if r == len(tokens):
+            tokens.append([])
+            positions.append([])
+        first[i] = r * width + len(tokens[r]) + len(prompts[i])
+        tokens[r] += prompts[i] + completions[i]
+        positions[r] += range(lengths[i])
+    input_ids = pad(tokens, 0, "right")
+    completion_mask = pad([[1] * len(c) for c in completions], 0, "right")  # from the lengths: pad may be EOS
+    first = torch.tensor(first)
+    batch = {"input_ids": input_ids, "position_ids": pad(positions, 0, "right"), "completion_mask": completion_mask,
+             "targets": first[:, None] + torch.arange(completion_mask.shape[1]),  # past a completion's end: masked
+             "last": first + completion_mask.sum(1) - 1, "tokens": torch.tensor(sum(lengths))}
+    return {name: tensor.to(device) for name, tensor in batch.items()}
 
 
-def batch_on(device, prompts, completions, rows, pad_token_id):
-    """make_batch of `rows`, on the device."""
-    batch = make_batch([prompts[i] for i in rows], [completions[i] for i in rows], pad_token_id)
-    return [t.to(device) for t in batch]
+def decoder_states(model, batch, **options):
+    """A batch's forward and its decoder's output (hooked: output_hidden_states gives views, FSDP2 warns)."""
+    hidden = []
+    hook = model.get_decoder().register_forward_hook(lambda module, inputs, output: hidden.append(output[0]))
+    output = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **options)
+    hook.remove()
+    return output, hidden[0]
 
 
 def load_pretrained(auto_class, path, args, flag, **options):
@@ -796,7 +823,7 @@ def disable_dropout(model):
 def shard_model(model, args, mesh):
     """FSDP2 over `mesh` (HSDP if 2-D), gradients summed (each loss is a global mean); the first process's weights
     broadcast a tensor at a time."""
-    loaded = model.state_dict() if dist.get_rank() == 0 else {}  # the first process's, read from disk
+    loaded = model.state_dict() if dist.get_rank() == 0 else {}
     if args.gradient_checkpointing:  # in training mode only: not on frozen models
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     gpu = mesh.device_type == "cuda"
@@ -805,7 +832,7 @@ def shard_model(model, args, mesh):
                 "mp_policy": MixedPrecisionPolicy(**bf16),
                 "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()}
     layers = [module for module in model.modules() if type(module).__name__ in (model._no_split_modules or [])]
-    for module in layers + [model]:  # each decoder layer, then the root (None: it keeps its weights gathered)
+    for module in layers + [model]:  # None: the root keeps its weights gathered
         fully_shard(module, reshard_after_forward=None if args.reshard_after_forward else False, **policies)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
@@ -821,7 +848,7 @@ def load_model(auto_class, path, args, flag, mesh, frozen=False):
     """A model sharded, dropout off; frozen: no gradients."""
     model, report = load_pretrained(auto_class, path, args, flag)
     check_weights(model, report, path, flag)
-    model = disable_dropout(model)
+    disable_dropout(model)
     return shard_model(model.requires_grad_(False).eval() if frozen else model, args, mesh)
 
 
@@ -833,20 +860,18 @@ def load_reward_model(args, tokenizer, mesh):
     return load_model(AutoModelForSequenceClassification, path, args, flag, mesh, frozen=True)
 
 
-def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
-    """Log-probs (and entropies) of the last `completion_width` tokens from logits / T, by HeadLogprobs."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
-    hidden = []  # the decoder's output (output_hidden_states gives views: FSDP2 warns)
-    hook = model.get_decoder().register_forward_hook(lambda module, inputs, output: hidden.append(output[0]))
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                   logits_to_keep=1).logits
-    hook.remove()
+def completion_logprobs(model, batch, temperature=1.0, with_entropy=False):
+    """Log-probs (and entropies) of the completions' tokens from logits / T, by HeadLogprobs: a (sequences, completion
+    width) table, 0 past a completion's end."""
+    output, hidden = decoder_states(model, batch, logits_to_keep=1)
     head = model.get_output_embeddings()
-    check_linear_head(model, head, hidden[0][:, -1], logits[:, -1])
-    labels, hidden = input_ids[:, -completion_width:], hidden[0][:, -completion_width - 1 : -1].flatten(0, 1)
+    check_linear_head(model, head, hidden[:, -1], output.logits[:, -1])
+    mask = batch["completion_mask"].bool()
+    at = batch["targets"][mask]  # the completion tokens' flat indices: the state before each predicts it
     bias = None if head.bias is None else head.bias / temperature  # logits / T: states and bias / T, not the head
-    outputs = HeadLogprobs.apply(hidden / temperature, labels.flatten(), with_entropy, head.weight, bias)
-    logprobs, entropy = (output.view(labels.shape) for output in outputs)  # the state at t predicts token t + 1
+    outputs = HeadLogprobs.apply(hidden.flatten(0, 1)[at - 1] / temperature, batch["input_ids"].flatten()[at],
+                                 with_entropy, head.weight, bias)
+    logprobs, entropy = (out.new_zeros(mask.shape).masked_scatter(mask, out) for out in outputs)
     return (logprobs, entropy) if with_entropy else logprobs
 
 
@@ -889,25 +914,18 @@ class HeadLogprobs(torch.autograd.Function):
         return grad_hidden.to(hidden.dtype), None, None, *grads, None  # a None to spare: no bias
 
 
-def last_token_index(attention_mask):
-    """Each row's last real token, from the mask (pad may be EOS)."""
-    return (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(1)
-
-
-def head_scores(model, input_ids, attention_mask):
-    """A reward or value model's score at every position, plus its config's score_bias."""
+def head_scores(model, batch):
+    """A reward or value model's score at every position, flat, plus its config's score_bias."""
     scores = []
     hook = model.score.register_forward_hook(lambda module, inputs, output: scores.append(output[..., 0].float()))
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    decoder_states(model, batch)
     hook.remove()
-    return scores[0] + getattr(model.config, "score_bias", 0.0)
+    return scores[0].flatten() + getattr(model.config, "score_bias", 0.0)
 
 
-def sequence_scores(model, input_ids, attention_mask):
-    """A reward model's score at each row's last token."""
-    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    return head_scores(model, input_ids, attention_mask)[rows, last_token_index(attention_mask)]
+def sequence_scores(model, batch):
+    """A reward model's score at each sequence's last token."""
+    return head_scores(model, batch)[batch["last"]]
 
 
 def make_optimizer(model, args):
@@ -1066,7 +1084,7 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
             json.dump({"step": step, "args": vars(args)}, f, indent=1)
     dist.barrier()
     rng = {"torch": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
-    torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state}, f"{path}/rank{rank}.pt")
+    torch.save({"scheduler": scheduler.state_dict(), "rng": rng, "state": state}, f"{path}/rank{rank}.pt")
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)
     signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # the signal may have reached another rank only
@@ -1093,10 +1111,8 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
     """A checkpoint of this run restored on any number of processes."""
     manifest = check_checkpoint(path, args)
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state["state"]}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict={"state": state["optimizer"], "param_groups": optimizer_state["param_groups"]})
+    dcp.load({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)  # in place
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     same = manifest["args"]["world_size"] == args.world_size  # else per-rank random streams restart
     extra = torch.load(f"{path}/rank{dist.get_rank() if same else 0}.pt", weights_only=True)
     scheduler.load_state_dict(extra["scheduler"])
@@ -1108,7 +1124,7 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
             torch.cuda.set_rng_state(extra["rng"]["cuda"])
     if dist.get_rank() == 0:
         print(f"resumed from {path} (written by {manifest['args']['world_size']} processes)")
-    return extra["step"], extra["state"]
+    return manifest["step"], extra["state"]
 
 
 def finish(model, tokenizer, args, device):
@@ -1226,7 +1242,7 @@ def tracking_problem(args):
             return "--track: wandb has no API key here: run `wandb login`, or set WANDB_MODE=offline"
 
 
-STOP_SIGNALS = []  # signals received (request_stop)
+STOP_SIGNALS = []
 
 
 def request_stop(signum, frame):
@@ -1400,13 +1416,45 @@ def check_rewards(rewards, sources):
             raise ScriptError(f"{count} of {len(rewards)} completions got a non-finite reward from {source}: check it")
 
 
+@torch.no_grad()
 def check_linear_head(model, head, hidden, logits):
     """HeadLogprobs needs logits linear in the last hidden state (no logit scale or soft-capping)."""
-    with torch.no_grad():
-        difference = (F.linear(hidden, head.weight, head.bias).float() - logits.float()).abs()
+    difference = (F.linear(hidden, head.weight, head.bias).float() - logits.float()).abs()
     if (difference > 0.02 * (1 + logits.float().abs().max())).any():
         raise ScriptError(f"{type(model).__name__}: its logits are not its head's linear map of its last hidden "
                           "states")
+
+
+@torch.no_grad()
+def check_layout(model, prompts, completions, args, flag):
+    """--padding_free refused for a model that reads across the sequences of a packed row (a forward that drops
+    position_ids, as remote code may): the longest first row cut in three, the last two packed, together against
+    alone; the first, alone in its row both ways, gives the kernels' own noise."""
+    t = max([p + c for p, c in zip(prompts[:8], completions)], key=len)
+    h, q = len(t) // 2, len(t) // 4
+    if not args.padding_free or q == 0:
+        return
+    pieces = [(t[:h], t[h:]), (t[:q], t[q:h]), (t[h : h + q], t[h + q :])]  # L, L/2, L/2 tokens
+    logits = {} if hasattr(model, "score") else {"logits_to_keep": 1}  # a reward model takes no such argument
+    training = model.training
+    model.eval()  # no dropout (sft.py's ranks but the first build their model in training mode)
+
+    def states(rows):  # the decoder's output at the completion tokens
+        batch = make_batch(next(model.parameters()).device, *zip(*pieces), rows, args)
+        found = decoder_states(model, batch, **logits)[1].flatten(0, 1)[batch["targets"][batch["completion_mask"] > 0]]
+        return found.float()
+
+    together = states(range(3)).split([len(c) for _, c in pieces])
+    gaps = torch.stack([(a - b).norm() / b.norm() for a, b in zip(together, map(states, ([0], [1], [2])))])
+    model.train(training)
+    for module in model.modules():  # the sharded parameters back: a forward leaves the root's gathered
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    dist.all_reduce(gaps, op=dist.ReduceOp.MAX)  # one verdict on every rank
+    leak = gaps[1:].max().item()
+    if leak > max(10 * gaps[0].item(), 2e-2 if args.bf16 and torch.cuda.is_available() else 1e-3):
+        raise ScriptError(f"{flag} {getattr(args, flag[2:])!r} reads across the sequences of a packed row ({leak:.2g} "
+                          "relative change): use --no-padding_free")
 
 
 def check_checkpoint(path, args):
@@ -1424,7 +1472,7 @@ def check_checkpoint(path, args):
                 raise ScriptError(f"checkpoint metadata refers to {module}.{name}: not a DCP metadata class")
             return super().find_class(module, name)
 
-    with open(os.path.join(path, ".metadata"), "rb") as f:
+    with open(f"{path}/.metadata", "rb") as f:
         entries = Unpickler(f).load().state_dict_metadata.items()
     pickled = [key for key, entry in entries if isinstance(entry, dcp.metadata.BytesStorageMetadata)]
     if pickled:

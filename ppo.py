@@ -108,6 +108,8 @@ class Args:
     """bf16 compute on GPU, fp32 parameters"""
     gradient_checkpointing: Resumable[bool] = False
     """recompute activations in the backward to save memory"""
+    padding_free: Resumable[bool] = True
+    """a micro-batch's sequences end to end, no padding (--no-padding_free: padded); the same update"""
     cpu_offload: Resumable[Offload] = False
     """parameters, gradients, optimizer state in CPU memory (FSDP2's CPUOffloadPolicy)"""
     shard_degree: Resumable[ShardDegree] = -1
@@ -184,10 +186,11 @@ class Args:
     """weight of the value loss in the total loss"""
 
 
-def token_values(model, input_ids, attention_mask, completion_width):
-    """The value model's V(s_t) for each of the last `completion_width` tokens: its score at the position before
-    token t."""
-    return head_scores(model, input_ids, attention_mask)[:, -completion_width - 1 : -1]
+def token_values(model, batch):
+    """The value model's V(s_t) for each completion token t: its score at the position before t (0 past the end)."""
+    mask = batch["completion_mask"].bool()
+    values = head_scores(model, batch)[batch["targets"][mask] - 1]
+    return torch.zeros(mask.shape, device=values.device).masked_scatter(mask, values)
 
 
 def kl_estimate(logps, ref_logps, old_logps, kl_estimator):
@@ -229,7 +232,7 @@ def token_rewards(scores, logps, ref_logps, mask, kl_coef, kl_estimator):
     the last real token. Returns the rewards and the KL estimates."""
     kl = kl_estimate(logps, ref_logps, logps, kl_estimator) * mask
     rewards = -kl_coef * kl
-    rewards[torch.arange(len(scores), device=scores.device), last_token_index(mask)] += scores
+    rewards[torch.arange(len(scores), device=scores.device), mask.sum(1).long() - 1] += scores  # right-padded
     return rewards, kl
 
 
@@ -271,8 +274,7 @@ def evaluate(model, reward_model, test, stop_token_id, pad_token_id, args):
     prompts, total = test["prompt"], torch.zeros((), device=next(model.parameters()).device)
     completions, _ = sample_rollout(model, prompts, None, args, stop_token_id, pad_token_id)
     for rows, valid in rank_micro_batches(len(prompts), args.per_device_eval_batch_size):
-        input_ids, attention_mask, _ = batch_on(total.device, prompts, completions, rows, pad_token_id)
-        scores = sequence_scores(reward_model, input_ids, attention_mask)
+        scores = sequence_scores(reward_model, make_batch(total.device, prompts, completions, rows, args))
         penalised, _ = penalised_scores(scores, [completions[i] for i in rows], stop_token_id, args.missing_eos_penalty)
         total += valid * penalised.sum()
     dist.all_reduce(total)
@@ -280,7 +282,7 @@ def evaluate(model, reward_model, test, stop_token_id, pad_token_id, args):
 
 
 @torch.no_grad()
-def score_rollout(models, prompts, completions, pad_token_id, args):
+def score_rollout(models, prompts, completions, args):
     """The reward-model scores of a rollout's completions, the policy's and reference's log-probs and the values of
     their tokens: each rank its share, summed over ranks."""
     n, width = len(prompts), args.max_completion_length
@@ -288,31 +290,28 @@ def score_rollout(models, prompts, completions, pad_token_id, args):
     scores = torch.zeros(n, device=device)
     logps, ref_logps, values = (torch.zeros(n, width, device=device) for _ in range(3))
     for rows, valid in rank_micro_batches(n, args.local_rollout_forward_batch_size):
-        input_ids, attention_mask, completion_mask = batch_on(device, prompts, completions, rows, pad_token_id)
-        cols = completion_mask.shape[1]
-        scores[rows] += valid * sequence_scores(models["reward"], input_ids, attention_mask)
+        batch = make_batch(device, prompts, completions, rows, args)
+        cols = batch["completion_mask"].shape[1]
+        scores[rows] += valid * sequence_scores(models["reward"], batch)
         for table, name in ((logps, "policy"), (ref_logps, "ref")):
-            table[rows, :cols] += valid * completion_logprobs(models[name], input_ids, attention_mask, cols,
-                                                              args.temperature)
-        values[rows, :cols] += valid * token_values(models["value"], input_ids, attention_mask, cols)
+            table[rows, :cols] += valid * completion_logprobs(models[name], batch, args.temperature)
+        values[rows, :cols] += valid * token_values(models["value"], batch)
     for table in (scores, logps, ref_logps, values):
         dist.all_reduce(table)
     return scores, logps, ref_logps, values
 
 
-def accumulate_gradients(models, rollout, mini, args, sums, extremes, pad_token_id):
+def accumulate_gradients(models, rollout, mini, args, sums, extremes):
     """One optimizer step's gradients from this rank's micro-batches of the global mini-batch `mini`, statistics
     summed into `sums`, the ratio's max and -min kept in `extremes`. Returns this rank's part of the loss."""
     device = next(models["policy"].parameters()).device
     step_loss, normaliser = 0.0, rollout["mask"][mini].sum()
     for micro in micro_batches(mini, args):
-        input_ids, attention_mask, completion_mask = batch_on(device, rollout["prompts"], rollout["completions"], micro,
-                                                              pad_token_id)
-        width = completion_mask.shape[1]
+        batch = make_batch(device, rollout["prompts"], rollout["completions"], micro, args)
+        width = batch["completion_mask"].shape[1]
         mask, old = rollout["mask"][micro, :width], rollout["logps"][micro, :width]
-        logps, entropy = completion_logprobs(models["policy"], input_ids, attention_mask, width, args.temperature,
-                                             True)
-        values = token_values(models["value"], input_ids, attention_mask, width)
+        logps, entropy = completion_logprobs(models["policy"], batch, args.temperature, True)
+        values = token_values(models["value"], batch)
         old_values, advantages, returns = (rollout[name][micro, :width] for name in ("values", "advantages", "returns"))
         loss, ratio, policy_loss, value_loss, clipped, value_clipped = ppo_loss(
             logps, old, values, old_values, advantages, returns, mask, normaliser, args)
@@ -327,7 +326,7 @@ def accumulate_gradients(models, rollout, mini, args, sums, extremes, pad_token_
                 sums[name] += (values * mask).sum()
             sums["loss"] += loss.detach()
             sums["tokens"] += mask.sum()
-            sums["processed"] += attention_mask.sum()
+            sums["processed"] += batch["tokens"]
             in_loss = torch.stack([ratio, -ratio]).masked_fill(mask == 0, -math.inf).flatten(1).max(1).values
             extremes.copy_(torch.maximum(extremes, in_loss))
     return step_loss
@@ -363,6 +362,8 @@ def main(args):
               "value": load_model(AutoModelForSequenceClassification, value_path, args, value_flag, mesh),
               "ref": load_model(AutoModelForCausalLM, policy_path, args, policy_flag, mesh, frozen=True),
               "reward": load_reward_model(args, tokenizer, mesh)}
+    for name, flag in (("policy", policy_flag), ("value", value_flag), ("reward", "--reward_model_path")):
+        check_layout(models[name], train["prompt"], train["prompt"], args, flag)
     model = models["policy"]
     trained = torch.nn.ModuleDict({"policy": model, "value": models["value"]})  # one optimizer, one checkpoint
 
@@ -385,7 +386,7 @@ def main(args):
         completions, lengths = sample_rollout(model, prompts, rollout_index, args, stop_token_id, pad_token_id)
 
         # 3. scores, log-probs and values of the sampled tokens
-        scores, logps, ref_logps, values = score_rollout(models, prompts, completions, pad_token_id, args)
+        scores, logps, ref_logps, values = score_rollout(models, prompts, completions, args)
         check_rewards(scores[:, None], [f"--reward_model_path {args.reward_model_path}"])
 
         # 4. rewards: the KL penalty at every token, the (penalised) score at the last; GAE; whitened advantages
@@ -414,7 +415,7 @@ def main(args):
         # 5. num_ppo_epochs passes over the rollout, each in num_mini_batches optimizer steps
         for k, mini in enumerate(rollout_mini_batches(rollout_index, args.num_ppo_epochs, args)):
             update_start = time.time()
-            step_loss = accumulate_gradients(models, rollout, mini, args, sums, extremes, pad_token_id)
+            step_loss = accumulate_gradients(models, rollout, mini, args, sums, extremes)
             step = rollout_index * steps_per_rollout + k + 1
             lr, grad_norm, stop = optimizer_step(trained, optimizer, scheduler, step_loss, step, args)
             progress.update(1)
@@ -511,7 +512,7 @@ def load_split(name, split):
         names = [os.path.basename(f) for f in files.get(split, [])]
         raise ScriptError(f"dataset {name!r}, split {split!r} {names} does not load ({e.__cause__ or e}): name one "
                           "file as the split (its name without extension)") from e
-    except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as e:  # offline, not found
+    except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as e:
         raise ScriptError(f"--dataset_name {name!r}: not here, and the hub says: {e}") from e
 
 
@@ -599,18 +600,40 @@ def pad(sequences, value, side):
     return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value, padding_side=side)
 
 
-def make_batch(prompts, completions, pad_token_id):
-    """[left-padded prompts | right-padded completions], masks from the lengths, not pad_token_id (EOS stays in the
-    loss when pad == eos)."""
-    input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
-    completion_mask = pad([[1] * len(c) for c in completions], 0, "right")
-    return input_ids, torch.cat([pad([[1] * len(p) for p in prompts], 0, "left"), completion_mask], 1), completion_mask
+def make_batch(device, prompts, completions, rows, args):
+    """A micro-batch of `rows` on the device: sequences end to end in right-padded rows, positions restarting at each
+    (no attention mask: causal attention never reads a later pad, the positions part packed sequences); one a row,
+    or (--padding_free) packed best fit into rows as long as the longest. Also each completion token's flat index,
+    each sequence's last token's, and the tokens but padding."""
+    prompts, completions = [prompts[i] for i in rows], [completions[i] for i in rows]
+    lengths, tokens, positions = [len(p) + len(c) for p, c in zip(prompts, completions)], [], []
+    first = [0] * len(lengths)  # each completion's first token
+    width = max(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fits = [r for r in range(len(tokens)) if args.padding_free and len(tokens[r]) + lengths[i] <= width]
+        r = max(fits, key=lambda r: len(tokens[r]), default=len(tokens))
+        if r == len(tokens):
+            tokens.append([])
+            positions.append([])
+        first[i] = r * width + len(tokens[r]) + len(prompts[i])
+        tokens[r] += prompts[i] + completions[i]
+        positions[r] += range(lengths[i])
+    input_ids = pad(tokens, 0, "right")
+    completion_mask = pad([[1] * len(c) for c in completions], 0, "right")  # from the lengths: pad may be EOS
+    first = torch.tensor(first)
+    batch = {"input_ids": input_ids, "position_ids": pad(positions, 0, "right"), "completion_mask": completion_mask,
+             "targets": first[:, None] + torch.arange(completion_mask.shape[1]),  # past a completion's end: masked
+             "last": first + completion_mask.sum(1) - 1, "tokens": torch.tensor(sum(lengths))}
+    return {name: tensor.to(device) for name, tensor in batch.items()}
 
 
-def batch_on(device, prompts, completions, rows, pad_token_id):
-    """make_batch of `rows`, on the device."""
-    batch = make_batch([prompts[i] for i in rows], [completions[i] for i in rows], pad_token_id)
-    return [t.to(device) for t in batch]
+def decoder_states(model, batch, **options):
+    """A batch's forward and its decoder's output (hooked: output_hidden_states gives views, FSDP2 warns)."""
+    hidden = []
+    hook = model.get_decoder().register_forward_hook(lambda module, inputs, output: hidden.append(output[0]))
+    output = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **options)
+    hook.remove()
+    return output, hidden[0]
 
 
 def load_pretrained(auto_class, path, args, flag, **options):
@@ -655,7 +678,7 @@ def disable_dropout(model):
 def shard_model(model, args, mesh):
     """FSDP2 over `mesh` (HSDP if 2-D), gradients summed (each loss is a global mean); the first process's weights
     broadcast a tensor at a time."""
-    loaded = model.state_dict() if dist.get_rank() == 0 else {}  # the first process's, read from disk
+    loaded = model.state_dict() if dist.get_rank() == 0 else {}
     if args.gradient_checkpointing:  # in training mode only: not on frozen models
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     gpu = mesh.device_type == "cuda"
@@ -664,7 +687,7 @@ def shard_model(model, args, mesh):
                 "mp_policy": MixedPrecisionPolicy(**bf16),
                 "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()}
     layers = [module for module in model.modules() if type(module).__name__ in (model._no_split_modules or [])]
-    for module in layers + [model]:  # each decoder layer, then the root (None: it keeps its weights gathered)
+    for module in layers + [model]:  # None: the root keeps its weights gathered
         fully_shard(module, reshard_after_forward=None if args.reshard_after_forward else False, **policies)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
@@ -680,7 +703,7 @@ def load_model(auto_class, path, args, flag, mesh, frozen=False):
     """A model sharded, dropout off; frozen: no gradients."""
     model, report = load_pretrained(auto_class, path, args, flag)
     check_weights(model, report, path, flag)
-    model = disable_dropout(model)
+    disable_dropout(model)
     return shard_model(model.requires_grad_(False).eval() if frozen else model, args, mesh)
 
 
@@ -692,20 +715,18 @@ def load_reward_model(args, tokenizer, mesh):
     return load_model(AutoModelForSequenceClassification, path, args, flag, mesh, frozen=True)
 
 
-def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
-    """Log-probs (and entropies) of the last `completion_width` tokens from logits / T, by HeadLogprobs."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
-    hidden = []  # the decoder's output (output_hidden_states gives views: FSDP2 warns)
-    hook = model.get_decoder().register_forward_hook(lambda module, inputs, output: hidden.append(output[0]))
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                   logits_to_keep=1).logits
-    hook.remove()
+def completion_logprobs(model, batch, temperature=1.0, with_entropy=False):
+    """Log-probs (and entropies) of the completions' tokens from logits / T, by HeadLogprobs: a (sequences, completion
+    width) table, 0 past a completion's end."""
+    output, hidden = decoder_states(model, batch, logits_to_keep=1)
     head = model.get_output_embeddings()
-    check_linear_head(model, head, hidden[0][:, -1], logits[:, -1])
-    labels, hidden = input_ids[:, -completion_width:], hidden[0][:, -completion_width - 1 : -1].flatten(0, 1)
+    check_linear_head(model, head, hidden[:, -1], output.logits[:, -1])
+    mask = batch["completion_mask"].bool()
+    at = batch["targets"][mask]  # the completion tokens' flat indices: the state before each predicts it
     bias = None if head.bias is None else head.bias / temperature  # logits / T: states and bias / T, not the head
-    outputs = HeadLogprobs.apply(hidden / temperature, labels.flatten(), with_entropy, head.weight, bias)
-    logprobs, entropy = (output.view(labels.shape) for output in outputs)  # the state at t predicts token t + 1
+    outputs = HeadLogprobs.apply(hidden.flatten(0, 1)[at - 1] / temperature, batch["input_ids"].flatten()[at],
+                                 with_entropy, head.weight, bias)
+    logprobs, entropy = (out.new_zeros(mask.shape).masked_scatter(mask, out) for out in outputs)
     return (logprobs, entropy) if with_entropy else logprobs
 
 
@@ -748,25 +769,18 @@ class HeadLogprobs(torch.autograd.Function):
         return grad_hidden.to(hidden.dtype), None, None, *grads, None  # a None to spare: no bias
 
 
-def last_token_index(attention_mask):
-    """Each row's last real token, from the mask (pad may be EOS)."""
-    return (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(1)
-
-
-def head_scores(model, input_ids, attention_mask):
-    """A reward or value model's score at every position, plus its config's score_bias."""
+def head_scores(model, batch):
+    """A reward or value model's score at every position, flat, plus its config's score_bias."""
     scores = []
     hook = model.score.register_forward_hook(lambda module, inputs, output: scores.append(output[..., 0].float()))
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    decoder_states(model, batch)
     hook.remove()
-    return scores[0] + getattr(model.config, "score_bias", 0.0)
+    return scores[0].flatten() + getattr(model.config, "score_bias", 0.0)
 
 
-def sequence_scores(model, input_ids, attention_mask):
-    """A reward model's score at each row's last token."""
-    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    return head_scores(model, input_ids, attention_mask)[rows, last_token_index(attention_mask)]
+def sequence_scores(model, batch):
+    """A reward model's score at each sequence's last token."""
+    return head_scores(model, batch)[batch["last"]]
 
 
 def make_optimizer(model, args):
@@ -925,7 +939,7 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
             json.dump({"step": step, "args": vars(args)}, f, indent=1)
     dist.barrier()
     rng = {"torch": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
-    torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state}, f"{path}/rank{rank}.pt")
+    torch.save({"scheduler": scheduler.state_dict(), "rng": rng, "state": state}, f"{path}/rank{rank}.pt")
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)
     signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # the signal may have reached another rank only
@@ -952,10 +966,8 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
     """A checkpoint of this run restored on any number of processes."""
     manifest = check_checkpoint(path, args)
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state["state"]}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict={"state": state["optimizer"], "param_groups": optimizer_state["param_groups"]})
+    dcp.load({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)  # in place
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     same = manifest["args"]["world_size"] == args.world_size  # else per-rank random streams restart
     extra = torch.load(f"{path}/rank{dist.get_rank() if same else 0}.pt", weights_only=True)
     scheduler.load_state_dict(extra["scheduler"])
@@ -967,7 +979,7 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
             torch.cuda.set_rng_state(extra["rng"]["cuda"])
     if dist.get_rank() == 0:
         print(f"resumed from {path} (written by {manifest['args']['world_size']} processes)")
-    return extra["step"], extra["state"]
+    return manifest["step"], extra["state"]
 
 
 def finish(model, tokenizer, args, device):
@@ -1085,7 +1097,7 @@ def tracking_problem(args):
             return "--track: wandb has no API key here: run `wandb login`, or set WANDB_MODE=offline"
 
 
-STOP_SIGNALS = []  # signals received (request_stop)
+STOP_SIGNALS = []
 
 
 def request_stop(signum, frame):
@@ -1259,13 +1271,45 @@ def check_rewards(rewards, sources):
             raise ScriptError(f"{count} of {len(rewards)} completions got a non-finite reward from {source}: check it")
 
 
+@torch.no_grad()
 def check_linear_head(model, head, hidden, logits):
     """HeadLogprobs needs logits linear in the last hidden state (no logit scale or soft-capping)."""
-    with torch.no_grad():
-        difference = (F.linear(hidden, head.weight, head.bias).float() - logits.float()).abs()
+    difference = (F.linear(hidden, head.weight, head.bias).float() - logits.float()).abs()
     if (difference > 0.02 * (1 + logits.float().abs().max())).any():
         raise ScriptError(f"{type(model).__name__}: its logits are not its head's linear map of its last hidden "
                           "states")
+
+
+@torch.no_grad()
+def check_layout(model, prompts, completions, args, flag):
+    """--padding_free refused for a model that reads across the sequences of a packed row (a forward that drops
+    position_ids, as remote code may): the longest first row cut in three, the last two packed, together against
+    alone; the first, alone in its row both ways, gives the kernels' own noise."""
+    t = max([p + c for p, c in zip(prompts[:8], completions)], key=len)
+    h, q = len(t) // 2, len(t) // 4
+    if not args.padding_free or q == 0:
+        return
+    pieces = [(t[:h], t[h:]), (t[:q], t[q:h]), (t[h : h + q], t[h + q :])]  # L, L/2, L/2 tokens
+    logits = {} if hasattr(model, "score") else {"logits_to_keep": 1}  # a reward model takes no such argument
+    training = model.training
+    model.eval()  # no dropout (sft.py's ranks but the first build their model in training mode)
+
+    def states(rows):  # the decoder's output at the completion tokens
+        batch = make_batch(next(model.parameters()).device, *zip(*pieces), rows, args)
+        found = decoder_states(model, batch, **logits)[1].flatten(0, 1)[batch["targets"][batch["completion_mask"] > 0]]
+        return found.float()
+
+    together = states(range(3)).split([len(c) for _, c in pieces])
+    gaps = torch.stack([(a - b).norm() / b.norm() for a, b in zip(together, map(states, ([0], [1], [2])))])
+    model.train(training)
+    for module in model.modules():  # the sharded parameters back: a forward leaves the root's gathered
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    dist.all_reduce(gaps, op=dist.ReduceOp.MAX)  # one verdict on every rank
+    leak = gaps[1:].max().item()
+    if leak > max(10 * gaps[0].item(), 2e-2 if args.bf16 and torch.cuda.is_available() else 1e-3):
+        raise ScriptError(f"{flag} {getattr(args, flag[2:])!r} reads across the sequences of a packed row ({leak:.2g} "
+                          "relative change): use --no-padding_free")
 
 
 def check_checkpoint(path, args):
@@ -1283,7 +1327,7 @@ def check_checkpoint(path, args):
                 raise ScriptError(f"checkpoint metadata refers to {module}.{name}: not a DCP metadata class")
             return super().find_class(module, name)
 
-    with open(os.path.join(path, ".metadata"), "rb") as f:
+    with open(f"{path}/.metadata", "rb") as f:
         entries = Unpickler(f).load().state_dict_metadata.items()
     pickled = [key for key, entry in entries if isinstance(entry, dcp.metadata.BytesStorageMetadata)]
     if pickled:

@@ -38,7 +38,7 @@ import tyro
 from safetensors import SafetensorError
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 from tyro.conf import Suppress
@@ -106,6 +106,8 @@ class Args:
     """bf16 compute on GPU, fp32 parameters"""
     gradient_checkpointing: Resumable[bool] = False
     """recompute activations in the backward to save memory"""
+    padding_free: Resumable[bool] = True
+    """a micro-batch's sequences end to end, no padding (--no-padding_free: padded); the same update"""
     cpu_offload: Resumable[Offload] = False
     """parameters, gradients, optimizer state in CPU memory (FSDP2's CPUOffloadPolicy)"""
     shard_degree: Resumable[ShardDegree] = -1
@@ -146,14 +148,13 @@ def bradley_terry_loss(chosen_scores, rejected_scores, margins):
     return -F.logsigmoid(chosen_scores - rejected_scores - margins)
 
 
-def score_pairs(model, data, rows, pad_token_id):
+def score_pairs(model, data, rows, args):
     """Scores of the chosen and of the rejected completion of `rows`, in one forward of 2 x len(rows) sequences."""
-    prompts = [data["prompt"][i] for i in rows]
+    prompts = [data["prompt"][i] for i in rows] * 2
     completions = [data["chosen"][i] for i in rows] + [data["rejected"][i] for i in rows]
-    input_ids, attention_mask, _ = make_batch(prompts + prompts, completions, pad_token_id)
-    device = next(model.parameters()).device
-    scores = sequence_scores(model, input_ids.to(device), attention_mask.to(device))
-    return scores[: len(rows)], scores[len(rows) :], attention_mask.sum()
+    batch = make_batch(next(model.parameters()).device, prompts, completions, range(len(prompts)), args)
+    scores = sequence_scores(model, batch)
+    return scores[: len(rows)], scores[len(rows) :], batch["tokens"]
 
 
 def load_with_score_head(args, pad_token_id):
@@ -176,13 +177,13 @@ def load_with_score_head(args, pad_token_id):
 
 
 @torch.no_grad()
-def evaluate(model, data, args, pad_token_id):
+def evaluate(model, data, args):
     """Mean loss and accuracy (the chosen completion scored higher) over `data`'s pairs, each rank its share,
     and the mean score of their completions."""
     model.eval()
     totals = torch.zeros(3, device=next(model.parameters()).device)
     for rows, valid in rank_micro_batches(len(data["prompt"]), args.per_device_eval_batch_size):
-        chosen, rejected, _ = score_pairs(model, data, rows, pad_token_id)
+        chosen, rejected, _ = score_pairs(model, data, rows, args)
         loss = bradley_terry_loss(chosen, rejected, chosen.new_tensor([data["margin"][i] for i in rows]))
         totals += valid * torch.stack([loss.sum(), (chosen > rejected).sum(), (chosen + rejected).sum() / 2])
     dist.all_reduce(totals)
@@ -201,6 +202,7 @@ def main(args):
 
     # 3. model + FSDP2: the SFT model with a score head, no dropout
     model = shard_model(disable_dropout(load_with_score_head(args, pad_token_id)), args, mesh)
+    check_layout(model, train["prompt"], train["chosen"], args, "--model_name_or_path")
 
     # 4. optimizer and LR schedule (or both restored by --resume_from)
     optimizer, scheduler, start_step, state = make_optimizer(model, args)
@@ -214,7 +216,7 @@ def main(args):
         batch = global_batch(step - 1, len(train["prompt"]), args.batch_size, args.seed)
         step_loss = 0.0  # this rank's share of the global mean
         for micro in micro_batches(batch, args):
-            chosen, rejected, tokens = score_pairs(model, train, micro, pad_token_id)
+            chosen, rejected, tokens = score_pairs(model, train, micro, args)
             margins = chosen.new_tensor([train["margin"][i] for i in micro])
             # ALGO LOGIC: the mean over the global batch of pairs, whatever the split
             loss = bradley_terry_loss(chosen, rejected, margins).sum() / args.batch_size
@@ -234,7 +236,7 @@ def main(args):
                        "tokens_per_second": w.pop("tokens") / (time.time() - window_start)}
             metrics |= {name: value / steps for name, value in w.items()}
             if is_due(step, args.eval_every, args) and test:
-                metrics.update(evaluate(model, test, args, pad_token_id)[0])
+                metrics.update(evaluate(model, test, args)[0])
             log_metrics(metrics, metrics_path, args, progress)
             sums, logged, window_start = collections.defaultdict(sums.default_factory), step, time.time()
         if stop or (args.save_every > 0 and step % args.save_every == 0):
@@ -243,7 +245,7 @@ def main(args):
     # 6. centre the scores: mean 0 over the training completions, the shift saved as config.score_bias (which
     # sequence_scores adds), so the RL scripts see rewards around 0 from the first step; save the HF folder
     if args.normalize_reward:
-        mean = evaluate(model, train, args, pad_token_id)[1]
+        mean = evaluate(model, train, args)[1]
         model.config.score_bias = getattr(model.config, "score_bias", 0.0) - mean
         if rank == 0:
             print(f"normalize_reward: mean score {mean:.4f}; score_bias now {model.config.score_bias:.4f}")
@@ -322,7 +324,7 @@ def load_split(name, split):
         names = [os.path.basename(f) for f in files.get(split, [])]
         raise ScriptError(f"dataset {name!r}, split {split!r} {names} does not load ({e.__cause__ or e}): name one "
                           "file as the split (its name without extension)") from e
-    except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as e:  # offline, not found
+    except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as e:
         raise ScriptError(f"--dataset_name {name!r}: not here, and the hub says: {e}") from e
 
 
@@ -351,7 +353,7 @@ def tokenize_prompt_completion(tokenizer, prompt, completion):
         prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]  # the template has them
     completion_ids, eos = tokenizer(completion, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id
     # a template ends the turn itself, maybe with text after EOS (Qwen's "\n")
-    if not (eos in completion_ids if not isinstance(prompt, str) else completion_ids[-1:] == [eos]):
+    if not (completion_ids[-1:] == [eos] if isinstance(prompt, str) else eos in completion_ids):
         completion_ids = completion_ids + [eos]
     return prompt_ids, completion_ids
 
@@ -374,7 +376,7 @@ def tokenize_preference(dataset, tokenizer, args):
                 raise ScriptError(f"dataset {args.dataset_name!r} has no 'prompt' column, and its chosen/rejected "
                                   "are not conversations that differ only in their last message")
             prompt, chosen, rejected = chosen[:-1], chosen[-1:], rejected[-1:]
-        if any(not c if isinstance(c, str) else not c or not c[-1]["content"] for c in (chosen, rejected)):
+        if any(not c or isinstance(c, list) and not c[-1]["content"] for c in (chosen, rejected)):
             dropped["empty completion"] += 1
             continue
         prompt_ids, chosen_ids = tokenize_prompt_completion(tokenizer, prompt, chosen)
@@ -431,12 +433,40 @@ def pad(sequences, value, side):
     return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value, padding_side=side)
 
 
-def make_batch(prompts, completions, pad_token_id):
-    """[left-padded prompts | right-padded completions], masks from the lengths, not pad_token_id (EOS stays in the
-    loss when pad == eos)."""
-    input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
-    completion_mask = pad([[1] * len(c) for c in completions], 0, "right")
-    return input_ids, torch.cat([pad([[1] * len(p) for p in prompts], 0, "left"), completion_mask], 1), completion_mask
+def make_batch(device, prompts, completions, rows, args):
+    """A micro-batch of `rows` on the device: sequences end to end in right-padded rows, positions restarting at each
+    (no attention mask: causal attention never reads a later pad, the positions part packed sequences); one a row,
+    or (--padding_free) packed best fit into rows as long as the longest. Also each completion token's flat index,
+    each sequence's last token's, and the tokens but padding."""
+    prompts, completions = [prompts[i] for i in rows], [completions[i] for i in rows]
+    lengths, tokens, positions = [len(p) + len(c) for p, c in zip(prompts, completions)], [], []
+    first = [0] * len(lengths)  # each completion's first token
+    width = max(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fits = [r for r in range(len(tokens)) if args.padding_free and len(tokens[r]) + lengths[i] <= width]
+        r = max(fits, key=lambda r: len(tokens[r]), default=len(tokens))
+        if r == len(tokens):
+            tokens.append([])
+            positions.append([])
+        first[i] = r * width + len(tokens[r]) + len(prompts[i])
+        tokens[r] += prompts[i] + completions[i]
+        positions[r] += range(lengths[i])
+    input_ids = pad(tokens, 0, "right")
+    completion_mask = pad([[1] * len(c) for c in completions], 0, "right")  # from the lengths: pad may be EOS
+    first = torch.tensor(first)
+    batch = {"input_ids": input_ids, "position_ids": pad(positions, 0, "right"), "completion_mask": completion_mask,
+             "targets": first[:, None] + torch.arange(completion_mask.shape[1]),  # past a completion's end: masked
+             "last": first + completion_mask.sum(1) - 1, "tokens": torch.tensor(sum(lengths))}
+    return {name: tensor.to(device) for name, tensor in batch.items()}
+
+
+def decoder_states(model, batch, **options):
+    """A batch's forward and its decoder's output (hooked: output_hidden_states gives views, FSDP2 warns)."""
+    hidden = []
+    hook = model.get_decoder().register_forward_hook(lambda module, inputs, output: hidden.append(output[0]))
+    output = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **options)
+    hook.remove()
+    return output, hidden[0]
 
 
 def load_pretrained(auto_class, path, args, flag, **options):
@@ -481,7 +511,7 @@ def disable_dropout(model):
 def shard_model(model, args, mesh):
     """FSDP2 over `mesh` (HSDP if 2-D), gradients summed (each loss is a global mean); the first process's weights
     broadcast a tensor at a time."""
-    loaded = model.state_dict() if dist.get_rank() == 0 else {}  # the first process's, read from disk
+    loaded = model.state_dict() if dist.get_rank() == 0 else {}
     if args.gradient_checkpointing:  # in training mode only: not on frozen models
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     gpu = mesh.device_type == "cuda"
@@ -490,7 +520,7 @@ def shard_model(model, args, mesh):
                 "mp_policy": MixedPrecisionPolicy(**bf16),
                 "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()}
     layers = [module for module in model.modules() if type(module).__name__ in (model._no_split_modules or [])]
-    for module in layers + [model]:  # each decoder layer, then the root (None: it keeps its weights gathered)
+    for module in layers + [model]:  # None: the root keeps its weights gathered
         fully_shard(module, reshard_after_forward=None if args.reshard_after_forward else False, **policies)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
@@ -502,25 +532,18 @@ def shard_model(model, args, mesh):
     return model
 
 
-def last_token_index(attention_mask):
-    """Each row's last real token, from the mask (pad may be EOS)."""
-    return (attention_mask * torch.arange(attention_mask.shape[1], device=attention_mask.device)).argmax(1)
-
-
-def head_scores(model, input_ids, attention_mask):
-    """A reward or value model's score at every position, plus its config's score_bias."""
+def head_scores(model, batch):
+    """A reward or value model's score at every position, flat, plus its config's score_bias."""
     scores = []
     hook = model.score.register_forward_hook(lambda module, inputs, output: scores.append(output[..., 0].float()))
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    decoder_states(model, batch)
     hook.remove()
-    return scores[0] + getattr(model.config, "score_bias", 0.0)
+    return scores[0].flatten() + getattr(model.config, "score_bias", 0.0)
 
 
-def sequence_scores(model, input_ids, attention_mask):
-    """A reward model's score at each row's last token."""
-    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    return head_scores(model, input_ids, attention_mask)[rows, last_token_index(attention_mask)]
+def sequence_scores(model, batch):
+    """A reward model's score at each sequence's last token."""
+    return head_scores(model, batch)[batch["last"]]
 
 
 def make_optimizer(model, args):
@@ -605,7 +628,7 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
             json.dump({"step": step, "args": vars(args)}, f, indent=1)
     dist.barrier()
     rng = {"torch": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
-    torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state}, f"{path}/rank{rank}.pt")
+    torch.save({"scheduler": scheduler.state_dict(), "rng": rng, "state": state}, f"{path}/rank{rank}.pt")
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)
     signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # the signal may have reached another rank only
@@ -632,10 +655,8 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
     """A checkpoint of this run restored on any number of processes."""
     manifest = check_checkpoint(path, args)
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state["state"]}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict={"state": state["optimizer"], "param_groups": optimizer_state["param_groups"]})
+    dcp.load({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)  # in place
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     same = manifest["args"]["world_size"] == args.world_size  # else per-rank random streams restart
     extra = torch.load(f"{path}/rank{dist.get_rank() if same else 0}.pt", weights_only=True)
     scheduler.load_state_dict(extra["scheduler"])
@@ -647,7 +668,7 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
             torch.cuda.set_rng_state(extra["rng"]["cuda"])
     if dist.get_rank() == 0:
         print(f"resumed from {path} (written by {manifest['args']['world_size']} processes)")
-    return extra["step"], extra["state"]
+    return manifest["step"], extra["state"]
 
 
 def finish(model, tokenizer, args, device):
@@ -765,7 +786,7 @@ def tracking_problem(args):
             return "--track: wandb has no API key here: run `wandb login`, or set WANDB_MODE=offline"
 
 
-STOP_SIGNALS = []  # signals received (request_stop)
+STOP_SIGNALS = []
 
 
 def request_stop(signum, frame):
@@ -923,6 +944,38 @@ def check_splits(args, tokenizer, splits):
                               "--max_prompt_length (dropping longer prompts) or --max_completion_length")
 
 
+@torch.no_grad()
+def check_layout(model, prompts, completions, args, flag):
+    """--padding_free refused for a model that reads across the sequences of a packed row (a forward that drops
+    position_ids, as remote code may): the longest first row cut in three, the last two packed, together against
+    alone; the first, alone in its row both ways, gives the kernels' own noise."""
+    t = max([p + c for p, c in zip(prompts[:8], completions)], key=len)
+    h, q = len(t) // 2, len(t) // 4
+    if not args.padding_free or q == 0:
+        return
+    pieces = [(t[:h], t[h:]), (t[:q], t[q:h]), (t[h : h + q], t[h + q :])]  # L, L/2, L/2 tokens
+    logits = {} if hasattr(model, "score") else {"logits_to_keep": 1}  # a reward model takes no such argument
+    training = model.training
+    model.eval()  # no dropout (sft.py's ranks but the first build their model in training mode)
+
+    def states(rows):  # the decoder's output at the completion tokens
+        batch = make_batch(next(model.parameters()).device, *zip(*pieces), rows, args)
+        found = decoder_states(model, batch, **logits)[1].flatten(0, 1)[batch["targets"][batch["completion_mask"] > 0]]
+        return found.float()
+
+    together = states(range(3)).split([len(c) for _, c in pieces])
+    gaps = torch.stack([(a - b).norm() / b.norm() for a, b in zip(together, map(states, ([0], [1], [2])))])
+    model.train(training)
+    for module in model.modules():  # the sharded parameters back: a forward leaves the root's gathered
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    dist.all_reduce(gaps, op=dist.ReduceOp.MAX)  # one verdict on every rank
+    leak = gaps[1:].max().item()
+    if leak > max(10 * gaps[0].item(), 2e-2 if args.bf16 and torch.cuda.is_available() else 1e-3):
+        raise ScriptError(f"{flag} {getattr(args, flag[2:])!r} reads across the sequences of a packed row ({leak:.2g} "
+                          "relative change): use --no-padding_free")
+
+
 def check_checkpoint(path, args):
     """The manifest of a complete checkpoint of this run (the same arguments but Resumable ones); its .metadata read
     through an allow-list, with no bytes entry (DCP unpickles those): loading runs no planted code."""
@@ -938,7 +991,7 @@ def check_checkpoint(path, args):
                 raise ScriptError(f"checkpoint metadata refers to {module}.{name}: not a DCP metadata class")
             return super().find_class(module, name)
 
-    with open(os.path.join(path, ".metadata"), "rb") as f:
+    with open(f"{path}/.metadata", "rb") as f:
         entries = Unpickler(f).load().state_dict_metadata.items()
     pickled = [key for key, entry in entries if isinstance(entry, dcp.metadata.BytesStorageMetadata)]
     if pickled:

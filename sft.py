@@ -33,7 +33,7 @@ import tyro
 from safetensors import SafetensorError
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from tyro.conf import Suppress
@@ -102,6 +102,8 @@ class Args:
     """bf16 compute on GPU, fp32 parameters"""
     gradient_checkpointing: Resumable[bool] = False
     """recompute activations in the backward to save memory"""
+    padding_free: Resumable[bool] = True
+    """a micro-batch's sequences end to end, no padding (--no-padding_free: padded); the same update"""
     cpu_offload: Resumable[Offload] = False
     """parameters, gradients, optimizer state in CPU memory (FSDP2's CPUOffloadPolicy)"""
     shard_degree: Resumable[ShardDegree] = -1
@@ -146,7 +148,7 @@ def tokenize_sft(dataset, tokenizer, args):
     data = {"prompt": [], "completion": []}
     dropped = dict.fromkeys(["empty completion", "prompt too long", "completion too long", "empty prompt"], 0)
     for prompt, completion in pairs:
-        if not completion if isinstance(completion, str) else not completion or not completion[-1]["content"]:
+        if not completion or isinstance(completion, list) and not completion[-1]["content"]:
             dropped["empty completion"] += 1
             continue
         prompt_ids, completion_ids = tokenize_prompt_completion(tokenizer, prompt, completion)
@@ -160,23 +162,21 @@ def tokenize_sft(dataset, tokenizer, args):
     return data, dropped
 
 
-def sft_loss(model, data, rows, pad_token_id, num_tokens):
+def sft_loss(model, data, rows, args, num_tokens):
     """-log p(completion tokens) summed over `rows` / `num_tokens`, the whole global batch's: the summed gradient is
     the global token mean's. Also the tokens processed."""
-    batch = make_batch([data["prompt"][i] for i in rows], [data["completion"][i] for i in rows], pad_token_id)
-    input_ids, attention_mask, completion_mask = [t.to(next(model.parameters()).device) for t in batch]
-    logprobs = completion_logprobs(model, input_ids, attention_mask, completion_mask.shape[1])
-    return -(logprobs * completion_mask).sum() / num_tokens, attention_mask.sum()
+    batch = make_batch(next(model.parameters()).device, data["prompt"], data["completion"], rows, args)
+    return -completion_logprobs(model, batch).sum() / num_tokens, batch["tokens"]
 
 
 @torch.no_grad()
-def evaluate(model, test, args, pad_token_id):
+def evaluate(model, test, args):
     """Token-mean loss over the test split, each rank scoring its share."""
     model.eval()
     num_tokens = sum(len(c) for c in test["completion"])
     total = torch.zeros((), device=next(model.parameters()).device)
     for rows, valid in rank_micro_batches(len(test["prompt"]), args.per_device_eval_batch_size):
-        total += valid * sft_loss(model, test, rows, pad_token_id, num_tokens)[0]
+        total += valid * sft_loss(model, test, rows, args, num_tokens)[0]
     dist.all_reduce(total)
     model.train()
     return total.item()
@@ -187,13 +187,15 @@ def main(args):
     rank, world_size, device, mesh = setup(args)
 
     # 2. data: every rank tokenises the same rows, so each knows the whole global batch and its tokens
-    tokenizer, pad_token_id, train, test, dropped = load_data(args, tokenize_sft)
+    tokenizer, _, train, test, dropped = load_data(args, tokenize_sft)
     epochs_of(len(train["prompt"]), args, dropped)
 
     # 3. model + FSDP2
-    model, report = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args, "--model_name_or_path")
-    check_weights(model, report, args.model_name_or_path, "--model_name_or_path")
+    path, flag = args.model_name_or_path, "--model_name_or_path"
+    model, report = load_pretrained(AutoModelForCausalLM, path, args, flag)
+    check_weights(model, report, path, flag)
     model = shard_model(model, args, mesh)
+    check_layout(model, train["prompt"], train["completion"], args, flag)
 
     # 4. optimizer and LR schedule (or both restored by --resume_from)
     optimizer, scheduler, start_step, state = make_optimizer(model, args)
@@ -208,8 +210,8 @@ def main(args):
         num_tokens = sum(len(train["completion"][i]) for i in batch)
         step_loss = 0.0  # this rank's share of the global mean
         for micro in micro_batches(batch, args):
-            # ALGO LOGIC: each micro-batch's summed loss / the global batch's tokens: the global token mean
-            loss, tokens = sft_loss(model, train, micro, pad_token_id, num_tokens)
+            # ALGO LOGIC: the token mean over the global batch, whatever the split (sft_loss)
+            loss, tokens = sft_loss(model, train, micro, args, num_tokens)
             loss.backward()
             step_loss += loss.detach()
             sums["tokens"] += tokens
@@ -222,7 +224,7 @@ def main(args):
                        "loss": w["loss"] / (step - logged),
                        "tokens_per_second": w["tokens"] / (time.time() - window_start)}
             if is_due(step, args.eval_every, args) and test:
-                metrics["eval/loss"] = evaluate(model, test, args, pad_token_id)
+                metrics["eval/loss"] = evaluate(model, test, args)
             log_metrics(metrics, metrics_path, args, progress)
             sums, logged, window_start = collections.defaultdict(sums.default_factory), step, time.time()
         if stop or (args.save_every > 0 and step % args.save_every == 0):
@@ -304,7 +306,7 @@ def load_split(name, split):
         names = [os.path.basename(f) for f in files.get(split, [])]
         raise ScriptError(f"dataset {name!r}, split {split!r} {names} does not load ({e.__cause__ or e}): name one "
                           "file as the split (its name without extension)") from e
-    except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as e:  # offline, not found
+    except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as e:
         raise ScriptError(f"--dataset_name {name!r}: not here, and the hub says: {e}") from e
 
 
@@ -333,7 +335,7 @@ def tokenize_prompt_completion(tokenizer, prompt, completion):
         prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]  # the template has them
     completion_ids, eos = tokenizer(completion, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id
     # a template ends the turn itself, maybe with text after EOS (Qwen's "\n")
-    if not (eos in completion_ids if not isinstance(prompt, str) else completion_ids[-1:] == [eos]):
+    if not (completion_ids[-1:] == [eos] if isinstance(prompt, str) else eos in completion_ids):
         completion_ids = completion_ids + [eos]
     return prompt_ids, completion_ids
 
@@ -379,12 +381,40 @@ def pad(sequences, value, side):
     return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value, padding_side=side)
 
 
-def make_batch(prompts, completions, pad_token_id):
-    """[left-padded prompts | right-padded completions], masks from the lengths, not pad_token_id (EOS stays in the
-    loss when pad == eos)."""
-    input_ids = torch.cat([pad(prompts, pad_token_id, "left"), pad(completions, pad_token_id, "right")], 1)
-    completion_mask = pad([[1] * len(c) for c in completions], 0, "right")
-    return input_ids, torch.cat([pad([[1] * len(p) for p in prompts], 0, "left"), completion_mask], 1), completion_mask
+def make_batch(device, prompts, completions, rows, args):
+    """A micro-batch of `rows` on the device: sequences end to end in right-padded rows, positions restarting at each
+    (no attention mask: causal attention never reads a later pad, the positions part packed sequences); one a row,
+    or (--padding_free) packed best fit into rows as long as the longest. Also each completion token's flat index,
+    each sequence's last token's, and the tokens but padding."""
+    prompts, completions = [prompts[i] for i in rows], [completions[i] for i in rows]
+    lengths, tokens, positions = [len(p) + len(c) for p, c in zip(prompts, completions)], [], []
+    first = [0] * len(lengths)  # each completion's first token
+    width = max(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fits = [r for r in range(len(tokens)) if args.padding_free and len(tokens[r]) + lengths[i] <= width]
+        r = max(fits, key=lambda r: len(tokens[r]), default=len(tokens))
+        if r == len(tokens):
+            tokens.append([])
+            positions.append([])
+        first[i] = r * width + len(tokens[r]) + len(prompts[i])
+        tokens[r] += prompts[i] + completions[i]
+        positions[r] += range(lengths[i])
+    input_ids = pad(tokens, 0, "right")
+    completion_mask = pad([[1] * len(c) for c in completions], 0, "right")  # from the lengths: pad may be EOS
+    first = torch.tensor(first)
+    batch = {"input_ids": input_ids, "position_ids": pad(positions, 0, "right"), "completion_mask": completion_mask,
+             "targets": first[:, None] + torch.arange(completion_mask.shape[1]),  # past a completion's end: masked
+             "last": first + completion_mask.sum(1) - 1, "tokens": torch.tensor(sum(lengths))}
+    return {name: tensor.to(device) for name, tensor in batch.items()}
+
+
+def decoder_states(model, batch, **options):
+    """A batch's forward and its decoder's output (hooked: output_hidden_states gives views, FSDP2 warns)."""
+    hidden = []
+    hook = model.get_decoder().register_forward_hook(lambda module, inputs, output: hidden.append(output[0]))
+    output = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **options)
+    hook.remove()
+    return output, hidden[0]
 
 
 def load_pretrained(auto_class, path, args, flag, **options):
@@ -419,7 +449,7 @@ def load_pretrained(auto_class, path, args, flag, **options):
 def shard_model(model, args, mesh):
     """FSDP2 over `mesh` (HSDP if 2-D), gradients summed (each loss is a global mean); the first process's weights
     broadcast a tensor at a time."""
-    loaded = model.state_dict() if dist.get_rank() == 0 else {}  # the first process's, read from disk
+    loaded = model.state_dict() if dist.get_rank() == 0 else {}
     if args.gradient_checkpointing:  # in training mode only: not on frozen models
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     gpu = mesh.device_type == "cuda"
@@ -428,7 +458,7 @@ def shard_model(model, args, mesh):
                 "mp_policy": MixedPrecisionPolicy(**bf16),
                 "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()}
     layers = [module for module in model.modules() if type(module).__name__ in (model._no_split_modules or [])]
-    for module in layers + [model]:  # each decoder layer, then the root (None: it keeps its weights gathered)
+    for module in layers + [model]:  # None: the root keeps its weights gathered
         fully_shard(module, reshard_after_forward=None if args.reshard_after_forward else False, **policies)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
@@ -440,20 +470,18 @@ def shard_model(model, args, mesh):
     return model
 
 
-def completion_logprobs(model, input_ids, attention_mask, completion_width, temperature=1.0, with_entropy=False):
-    """Log-probs (and entropies) of the last `completion_width` tokens from logits / T, by HeadLogprobs."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: the first real token is position 0
-    hidden = []  # the decoder's output (output_hidden_states gives views: FSDP2 warns)
-    hook = model.get_decoder().register_forward_hook(lambda module, inputs, output: hidden.append(output[0]))
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                   logits_to_keep=1).logits
-    hook.remove()
+def completion_logprobs(model, batch, temperature=1.0, with_entropy=False):
+    """Log-probs (and entropies) of the completions' tokens from logits / T, by HeadLogprobs: a (sequences, completion
+    width) table, 0 past a completion's end."""
+    output, hidden = decoder_states(model, batch, logits_to_keep=1)
     head = model.get_output_embeddings()
-    check_linear_head(model, head, hidden[0][:, -1], logits[:, -1])
-    labels, hidden = input_ids[:, -completion_width:], hidden[0][:, -completion_width - 1 : -1].flatten(0, 1)
+    check_linear_head(model, head, hidden[:, -1], output.logits[:, -1])
+    mask = batch["completion_mask"].bool()
+    at = batch["targets"][mask]  # the completion tokens' flat indices: the state before each predicts it
     bias = None if head.bias is None else head.bias / temperature  # logits / T: states and bias / T, not the head
-    outputs = HeadLogprobs.apply(hidden / temperature, labels.flatten(), with_entropy, head.weight, bias)
-    logprobs, entropy = (output.view(labels.shape) for output in outputs)  # the state at t predicts token t + 1
+    outputs = HeadLogprobs.apply(hidden.flatten(0, 1)[at - 1] / temperature, batch["input_ids"].flatten()[at],
+                                 with_entropy, head.weight, bias)
+    logprobs, entropy = (out.new_zeros(mask.shape).masked_scatter(mask, out) for out in outputs)
     return (logprobs, entropy) if with_entropy else logprobs
 
 
@@ -578,7 +606,7 @@ def save_checkpoint(model, optimizer, scheduler, step, args, state, stop):
             json.dump({"step": step, "args": vars(args)}, f, indent=1)
     dist.barrier()
     rng = {"torch": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
-    torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": rng, "state": state}, f"{path}/rank{rank}.pt")
+    torch.save({"scheduler": scheduler.state_dict(), "rng": rng, "state": state}, f"{path}/rank{rank}.pt")
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)
     signum = STOP_SIGNALS[0] if STOP_SIGNALS else signal.SIGTERM  # the signal may have reached another rank only
@@ -605,10 +633,8 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
     """A checkpoint of this run restored on any number of processes."""
     manifest = check_checkpoint(path, args)
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state["state"]}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict={"state": state["optimizer"], "param_groups": optimizer_state["param_groups"]})
+    dcp.load({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)  # in place
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     same = manifest["args"]["world_size"] == args.world_size  # else per-rank random streams restart
     extra = torch.load(f"{path}/rank{dist.get_rank() if same else 0}.pt", weights_only=True)
     scheduler.load_state_dict(extra["scheduler"])
@@ -620,7 +646,7 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
             torch.cuda.set_rng_state(extra["rng"]["cuda"])
     if dist.get_rank() == 0:
         print(f"resumed from {path} (written by {manifest['args']['world_size']} processes)")
-    return extra["step"], extra["state"]
+    return manifest["step"], extra["state"]
 
 
 def finish(model, tokenizer, args, device):
@@ -738,7 +764,7 @@ def tracking_problem(args):
             return "--track: wandb has no API key here: run `wandb login`, or set WANDB_MODE=offline"
 
 
-STOP_SIGNALS = []  # signals received (request_stop)
+STOP_SIGNALS = []
 
 
 def request_stop(signum, frame):
@@ -905,13 +931,45 @@ def check_splits(args, tokenizer, splits):
                               "--max_prompt_length (dropping longer prompts) or --max_completion_length")
 
 
+@torch.no_grad()
 def check_linear_head(model, head, hidden, logits):
     """HeadLogprobs needs logits linear in the last hidden state (no logit scale or soft-capping)."""
-    with torch.no_grad():
-        difference = (F.linear(hidden, head.weight, head.bias).float() - logits.float()).abs()
+    difference = (F.linear(hidden, head.weight, head.bias).float() - logits.float()).abs()
     if (difference > 0.02 * (1 + logits.float().abs().max())).any():
         raise ScriptError(f"{type(model).__name__}: its logits are not its head's linear map of its last hidden "
                           "states")
+
+
+@torch.no_grad()
+def check_layout(model, prompts, completions, args, flag):
+    """--padding_free refused for a model that reads across the sequences of a packed row (a forward that drops
+    position_ids, as remote code may): the longest first row cut in three, the last two packed, together against
+    alone; the first, alone in its row both ways, gives the kernels' own noise."""
+    t = max([p + c for p, c in zip(prompts[:8], completions)], key=len)
+    h, q = len(t) // 2, len(t) // 4
+    if not args.padding_free or q == 0:
+        return
+    pieces = [(t[:h], t[h:]), (t[:q], t[q:h]), (t[h : h + q], t[h + q :])]  # L, L/2, L/2 tokens
+    logits = {} if hasattr(model, "score") else {"logits_to_keep": 1}  # a reward model takes no such argument
+    training = model.training
+    model.eval()  # no dropout (sft.py's ranks but the first build their model in training mode)
+
+    def states(rows):  # the decoder's output at the completion tokens
+        batch = make_batch(next(model.parameters()).device, *zip(*pieces), rows, args)
+        found = decoder_states(model, batch, **logits)[1].flatten(0, 1)[batch["targets"][batch["completion_mask"] > 0]]
+        return found.float()
+
+    together = states(range(3)).split([len(c) for _, c in pieces])
+    gaps = torch.stack([(a - b).norm() / b.norm() for a, b in zip(together, map(states, ([0], [1], [2])))])
+    model.train(training)
+    for module in model.modules():  # the sharded parameters back: a forward leaves the root's gathered
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    dist.all_reduce(gaps, op=dist.ReduceOp.MAX)  # one verdict on every rank
+    leak = gaps[1:].max().item()
+    if leak > max(10 * gaps[0].item(), 2e-2 if args.bf16 and torch.cuda.is_available() else 1e-3):
+        raise ScriptError(f"{flag} {getattr(args, flag[2:])!r} reads across the sequences of a packed row ({leak:.2g} "
+                          "relative change): use --no-padding_free")
 
 
 def check_checkpoint(path, args):
@@ -929,7 +987,7 @@ def check_checkpoint(path, args):
                 raise ScriptError(f"checkpoint metadata refers to {module}.{name}: not a DCP metadata class")
             return super().find_class(module, name)
 
-    with open(os.path.join(path, ".metadata"), "rb") as f:
+    with open(f"{path}/.metadata", "rb") as f:
         entries = Unpickler(f).load().state_dict_metadata.items()
     pickled = [key for key, entry in entries if isinstance(entry, dcp.metadata.BytesStorageMetadata)]
     if pickled:

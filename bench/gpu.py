@@ -14,10 +14,11 @@ Stages (a failed check is named in the results and the summary; a failed stage d
                difference between two straight runs: the GPU's own run-to-run noise)
   speed        Qwen2.5-0.5B's shape with random weights, bf16, one GPU: sft tokens/s and MFU, dpo s/step, a grpo step
                by part (bench/profile_rl.py), peak GPU memory of each; TRL's SFTTrainer, DPOTrainer and GRPOTrainer on
-               the same shapes, batch sizes and lengths (bench/trl_equivalent.py). The runs alternate ours and TRL's,
-               `repeats` rounds (SIZES): the median seconds a step and the range of each side, the ratio of the
-               medians with its range, and a verdict: faster or slower only where the two ranges do not overlap,
-               else within noise
+               the same shapes, batch sizes and lengths (bench/trl_equivalent.py); sft on GSM8K's lengths, ours
+               padding-free (the default) and padded (--no-padding_free), TRL's padding_free. The runs alternate
+               ours and TRL's, `repeats` rounds (SIZES): the median seconds a step and the range of each side, the
+               ratio of the medians with its range, and a verdict: faster or slower only where the two ranges do
+               not overlap, else within noise
   generation   at the grpo shape: HF generate with its dynamic cache (what grpo.py and ppo.py call), a static cache with
                torch.compile (grpo.py/ppo.py --cache_implementation static), and continuous batching (generate_batch):
                samples/s, and whether each samples from exactly softmax(logits / T) (fp32, against a teacher-forced
@@ -45,7 +46,7 @@ sys.path.insert(0, ROOT)  # grpo.py's generation and log-prob helpers, for the g
 sys.path.insert(0, os.path.join(ROOT, "examples"))  # the toy task
 sys.path.insert(0, os.path.join(ROOT, "bench"))  # compare_trl's model shapes and its timed runner
 
-from compare_trl import make_model, run, seconds_per_step  # noqa: E402
+from compare_trl import make_model, run, seconds_per_step, write_gsm8k  # noqa: E402
 
 # What each run measures, on a GPU and in the CPU dry run. Lengths in tokens (the toy tokenizer: one token per byte).
 SIZES = {
@@ -73,7 +74,8 @@ def main():
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on CPU: checks that the command runs")
     parser.add_argument("--stages", nargs="+", default=["env", "correctness", "speed", "generation"])
     parser.add_argument("--no-trl", action="store_true", help="skip TRL's side of the speed stage")
-    parser.add_argument("--algos", nargs="+", default=["sft", "dpo", "grpo", "grpo_static"], help="the speed runs")
+    parser.add_argument("--algos", nargs="+", default=["sft", "dpo", "grpo", "grpo_static", "sft_gsm8k",
+                                                       "sft_gsm8k_padded"], help="the speed runs")
     parser.add_argument("--sizes", default="gpu", choices=["gpu", "users"], help="SIZES on a GPU")
     parser.add_argument("--budget", type=float, default=520, help="seconds; a stage that would start later is skipped")
     args = parser.parse_args()
@@ -333,7 +335,9 @@ def speed_stage(out, sizes, args):
     ours = ["--model_name_or_path", model, "--learning_rate", 1e-5, "--lr_scheduler_type", "constant", "--log_every", 1]
     G, micro, new = sizes["grpo_generations"], sizes["grpo_micro"], sizes["grpo_completion"]
     accumulation = sizes["grpo_prompts"] * G // micro
-    files = {"sft": f"{data}/sft.jsonl", "dpo": f"{data}/preference.jsonl", "grpo": f"{data}/prompts.jsonl"}
+    write_gsm8k(os.path.join(data, "gsm8k"))
+    files = {"sft": f"{data}/sft.jsonl", "dpo": f"{data}/preference.jsonl", "grpo": f"{data}/prompts.jsonl",
+             "sft_gsm8k": f"{data}/gsm8k/sft/train.jsonl"}
     grpo = ["bench/profile_rl.py", "grpo.py", "--dataset_name", files["grpo"], "--num_generations", G,
             "--max_completion_length", new, "--max_prompt_length", sizes["prompt"], "--per_device_train_batch_size",
             micro, "--gradient_accumulation_steps", accumulation, "--temperature", 1.0, "--beta", 0.04,
@@ -351,6 +355,13 @@ def speed_stage(out, sizes, args):
     }
     # grpo.py with --cache_implementation static, against the same TRL run (TRL's GRPO as it comes: dynamic cache)
     plan["grpo_static"] = (plan["grpo"][0] + ["--cache_implementation", "static"], None, sizes["grpo_skip"])
+    # sft on GSM8K's lengths (lengths above its longest, as bench/compare_trl.py --data gsm8k): ours padding-free and
+    # padded against TRL's padding_free (a batch in one row)
+    plan["sft_gsm8k"] = (["sft.py", "--dataset_name", files["sft_gsm8k"], "--per_device_train_batch_size",
+                          sizes["sft_batch"], "--max_steps", steps, "--max_prompt_length", 1024,
+                          "--max_completion_length", 1152], ["--batch", sizes["sft_batch"], "--padding_free",
+                                                             "--steps", steps], skip)
+    plan["sft_gsm8k_padded"] = (plan["sft_gsm8k"][0] + ["--no-padding_free"], None, skip)
     config = json.load(open(os.path.join(model, "config.json")))
     peak = (peak_tflops() or 0) * 1e12
     result, failures = {"model": sizes["shape"], "parameters": sum(parameter_counts(model).values()), "runs": {}}, []
@@ -361,7 +372,7 @@ def speed_stage(out, sizes, args):
     for repeat in range(sizes["repeats"]):  # ours, TRL, algorithm after algorithm, then again: drift hits both sides
         for algo, (our_command, trl_arguments, skip) in plan.items():
             sides = {"ours": our_command}
-            if with_trl and trl_arguments is not None:  # grpo_static: against the same TRL runs as grpo
+            if with_trl and trl_arguments is not None:  # grpo_static, sft_gsm8k_padded: the TRL runs of another
                 sides["trl"] = trl_arguments
             for side, arguments in sides.items():
                 if time.time() > args.deadline:
@@ -378,8 +389,9 @@ def speed_stage(out, sizes, args):
                 if profile:
                     breakdowns.setdefault(algo, grpo_breakdown(profile))
         json.dump({"times": times, "memory": memory}, open(os.path.join(out, "speed_partial.json"), "w"), indent=1)
-    if "grpo_static" in times and "grpo" in times:
-        times["grpo_static"]["trl"], memory["grpo_static"]["trl"] = times["grpo"]["trl"], memory["grpo"]["trl"]
+    for algo, same in (("grpo_static", "grpo"), ("sft_gsm8k_padded", "sft_gsm8k")):  # against the same TRL runs
+        if algo in times and same in times:
+            times[algo]["trl"], memory[algo]["trl"] = times[same]["trl"], memory[same]["trl"]
     for algo in plan:
         row = {side: spread(values) | {"peak_memory_gib": max(memory[algo][side])}
                for side, values in times[algo].items() if values}
@@ -406,7 +418,7 @@ def timed_run(algo, side, arguments, repeat, skip, out, runs_dir, model, files, 
     name = f"{algo}_{side}_{repeat + 1}"
     output_dir, log = os.path.join(runs_dir, name), os.path.join(out, "logs", f"speed_{name}.log")
     if side == "trl":
-        command = [sys.executable, "bench/trl_equivalent.py", algo.removesuffix("_static"), "--model", model, "--data",
+        command = [sys.executable, "bench/trl_equivalent.py", algo.split("_")[0], "--model", model, "--data",
                    files[algo.removesuffix("_static")], "--output_dir", output_dir, *map(str, arguments)]
         times, gib = run(command, step_file=os.path.join(output_dir, "step_times.txt"), timeout=timeout, log_file=log)
         return seconds_per_step(times, skip), gib, None
@@ -610,17 +622,19 @@ def batch_generate(model, prompts, config, with_logprobs=False):
 
 
 def teacher_forced(model, prompts, completions, pad_id, temperature):
-    """log_softmax(logits / T) at every completion position, from one forward over [prompt | completion], as grpo.py's
-    completion_logprobs computes the training log-probs (left-padded prompts, position ids from the mask)."""
+    """log_softmax(logits / T) at every completion position, from one forward of each sequence in its own right-padded
+    row, positions from its start, as grpo.py's make_batch lays them out with --no-padding_free."""
+    from types import SimpleNamespace
+
     from grpo import make_batch
 
-    input_ids, attention_mask, completion_mask = (t.to(model.device) for t in make_batch(prompts, completions, pad_id))
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    width = completion_mask.shape[1]
+    batch = make_batch(model.device, prompts, completions, range(len(prompts)), SimpleNamespace(padding_free=False))
+    at = batch["targets"].clamp(max=batch["input_ids"].numel() - 1)  # past a completion's end: masked below
     with torch.no_grad():
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, -width - 1 : -1]
-    return torch.log_softmax(logits.float() / temperature, -1), input_ids[:, -width:], completion_mask.bool()
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    logits = logits.flatten(0, 1)[at - 1]
+    return torch.log_softmax(logits.float() / temperature, -1), batch["input_ids"].flatten()[at], \
+        batch["completion_mask"].bool()
 
 
 def scores_check(model, prompts, config, pad_id, temperature):

@@ -43,6 +43,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--gradient_checkpointing", action="store_true", help="TRL 1.16's default is on; ours is off, so off here too"
     )
+    parser.add_argument("--padding_free", action="store_true", help="sft: a batch in one row (no max_length then)")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast on CPU too (bench/head_memory.py)")
     args = parser.parse_args()
     os.makedirs(args.output_dir, exist_ok=True)
@@ -70,7 +71,8 @@ if __name__ == "__main__":
 
         trainer = SFTTrainer(
             model=AutoModelForCausalLM.from_pretrained(args.model),
-            args=SFTConfig(**common, max_length=args.max_length),
+            args=SFTConfig(**common, max_length=None if args.padding_free else args.max_length,
+                           padding_free=args.padding_free),
             train_dataset=train,
             processing_class=tokenizer,
         )

@@ -57,13 +57,12 @@ def test_dpo_gradient_raises_chosen_and_lowers_rejected():
     assert chosen.grad.item() == pytest.approx(-0.05) and rejected.grad.item() == pytest.approx(0.05)
 
 
-def test_pair_logps_sum_the_completion_tokens_eos_included():
-    model, eos = tiny_gpt2(), 9
+@pytest.mark.parametrize("packed", [True, False])
+def test_pair_logps_sum_the_completion_tokens_eos_included(packed):
+    model, eos = tiny_gpt2(), 0  # the id make_batch pads with
     data = {"prompt": [[1, 2, 3], [4]], "chosen": [[5, eos], [6, 7, 8, eos]], "rejected": [[7, 7, 7, eos], [eos]]}
-    with torch.no_grad():
-        chosen, rejected, lengths, _ = pair_logps(
-            model, data, [1, 0], pad_token_id=eos
-        )  # rows out of order, pad == eos
+    with torch.no_grad():  # rows out of order, pad == eos
+        chosen, rejected, lengths, _ = pair_logps(model, data, [1, 0], SimpleNamespace(padding_free=packed))
     assert lengths.tolist() == [4, 2, 1, 4]  # the chosen, then the rejected
     for key, got in (("chosen", chosen), ("rejected", rejected)):
         expected = [reference_logprobs(model, data["prompt"][i], data[key][i]).sum().item() for i in (1, 0)]

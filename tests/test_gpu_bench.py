@@ -38,7 +38,7 @@ def test_dry_run_goes_through_every_stage(tmp_path):
     assert sorted(runs) == sorted(names) and all(run["exit"] == 0 for run in runs.values())
     assert stages["correctness"]["resume"]["max_abs_difference_resumed_vs_straight"] == 0.0
     speed = stages["speed"]["runs"]  # each side run twice here, alternating (three times on a GPU)
-    assert sorted(speed) == ["dpo", "grpo", "sft"] and all(
+    assert sorted(speed) == ["dpo", "grpo", "sft", "sft_gsm8k", "sft_gsm8k_padded"] and all(
         row["ours"]["seconds_per_step"] > 0 and len(row["ours"]["runs"]) == 2 for row in speed.values()
     )
     breakdown = speed["grpo"]["ours"]["breakdown"]  # the parts of a step add up to the step

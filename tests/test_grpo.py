@@ -228,7 +228,7 @@ def test_dynamic_sampling_decides_on_the_outcome_per_group(toy):
     rollout = {"completion": completions, "answer": ["12"] * 4}
     args = SimpleNamespace(reward_fn="exact_match", reward_fn_weight=1.0, missing_eos_penalty=0.5,
                            overlong_buffer=None, reward_model_path=None)
-    scored = rollout_rewards(rollout, None, tokenizer, 0, args, torch.device("cpu"))
+    scored = rollout_rewards(rollout, None, tokenizer, args, torch.device("cpu"))
     assert scored["reward"].tolist() == [0.0, -0.5, 1.0, -0.5]
     assert scored["ended"].tolist() == [True, False, True, False]
     assert has_spread(scored["outcome"], 2).tolist() == [False, True]
@@ -273,7 +273,7 @@ def test_copies_of_a_text_score_alike_whatever_the_rows_beside_them(toy):
     others = [encode(text) for text in (" 1 2 3 4 5 6 7 8 9", " 3", " 2 1 3 3 3 3 3 3 3 3 3 3", " 9 9")]
     args = SimpleNamespace(reward_fn=None, reward_fn_weight=1.0, missing_eos_penalty=0.0, overlong_buffer=None,
                            reward_model_path="rm", reward_model_weight=1.0, local_rollout_forward_batch_size=3,
-                           max_completion_length=16, policy_loss="clip", temperature=1.0)
+                           max_completion_length=16, policy_loss="clip", temperature=1.0, padding_free=True)
     torch.manual_seed(0)
     rm = AutoModelForSequenceClassification.from_pretrained(toy / "model", num_labels=1).to(torch.bfloat16).eval()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -281,10 +281,10 @@ def test_copies_of_a_text_score_alike_whatever_the_rows_beside_them(toy):
         for order in ([0, 1, 2, 3, 4, 5, 6, 7], [0, 4, 1, 5, 2, 6, 3, 7]):  # 4 copies, then 4 other texts
             completions = [([copy] * 4 + others)[i] for i in order]
             rollout = {"prompt": [encode("sort: 3 1 2 ->")] * 8, "completion": completions, "answer": [None] * 8}
-            alone = no_grad_pass(rm, rollout, 0, args, scores=True)[:, 0]
+            alone = no_grad_pass(rm, rollout, args, scores=True)[:, 0]
             copies = [i for i, c in enumerate(completions) if c == copy]
             assert len(set(alone[copies].tolist())) > 1  # the control: scored row by row they differ
-            rewards = rollout_rewards(rollout, rm, tokenizer, 0, args, torch.device("cpu"))["reward"]
+            rewards = rollout_rewards(rollout, rm, tokenizer, args, torch.device("cpu"))["reward"]
             assert len(set(rewards[copies].tolist())) == 1, rewards
         assert has_spread(rewards[copies], 4).tolist() == [False]
     finally:
@@ -338,10 +338,10 @@ def test_soft_overlong_punishment_equals_trls(toy):
             args = SimpleNamespace(reward_fn=None, reward_fn_weight=1.0, missing_eos_penalty=0.0,
                                    reward_model_path=None, max_completion_length=case["max_completion_len"],
                                    overlong_buffer=case["soft_punish_cache"], overlong_penalty_factor=factor)
-            punished = rollout_rewards(rollout, None, tokenizer, 0, args, torch.device("cpu"))["reward"]
+            punished = rollout_rewards(rollout, None, tokenizer, args, torch.device("cpu"))["reward"]
             assert punished.tolist() == pytest.approx([factor * r for r in case["rewards"][1:]], abs=1e-6), case
         rollout["length"] -= 1
-        without_eos = rollout_rewards(rollout, None, tokenizer, 0, args, torch.device("cpu"))["reward"]
+        without_eos = rollout_rewards(rollout, None, tokenizer, args, torch.device("cpu"))["reward"]
         assert (without_eos - punished).abs().max() > 0.01, case
 
 
@@ -471,20 +471,20 @@ def test_online_dpo_log_probs_at_temperature_1_whatever_the_sampling_one():
     try:
         args = loss_args(policy_loss="dpo", beta=0.1, temperature=0.5, max_completion_length=3, num_iterations=2,
                          world_size=1, local_rollout_forward_batch_size=4, per_device_train_batch_size=4,
-                         gradient_accumulation_steps=1)
-        ids, attention, completion_mask = make_batch(prompts, completions, 0)
-        at = {(net, t): completion_logprobs(net, ids, attention, 3, t).detach() for net in (policy, ref_model)
-              for t in (1.0, 0.5)}
+                         gradient_accumulation_steps=1, padding_free=True)
+        batch = make_batch("cpu", prompts, completions, range(4), args)
+        completion_mask = batch["completion_mask"]
+        at = {(net, t): completion_logprobs(net, batch, t).detach() for net in (policy, ref_model) for t in (1.0, 0.5)}
         for policy_loss, t in (("dpo", 1.0), ("clip", 0.5)):
             args.policy_loss = policy_loss
-            ref_logps, old_logps = no_grad_pass(ref_model, rollout, 0, args), no_grad_pass(policy, rollout, 0, args)
+            ref_logps, old_logps = no_grad_pass(ref_model, rollout, args), no_grad_pass(policy, rollout, args)
             torch.testing.assert_close(ref_logps * completion_mask, at[ref_model, t] * completion_mask)
             torch.testing.assert_close(old_logps * completion_mask, at[policy, t] * completion_mask)
         args.policy_loss = "dpo"
         rollout |= {"ref_logps": at[ref_model, 1.0], "old_logps": at[policy, 1.0] - 0.5, "loss_mask": completion_mask,
                     "advantages": torch.tensor([1.0, -1.0, 1.0, -1.0])}  # the chosen rows: A > 0
         sums = collections.defaultdict(lambda: torch.zeros(()))
-        loss = accumulate_gradients(policy, rollout, [0, 1, 2, 3], 2, args, sums, 0)
+        loss = accumulate_gradients(policy, rollout, [0, 1, 2, 3], 2, args, sums)
         want = online_dpo_loss(at[policy, 1.0], at[ref_model, 1.0], completion_mask, 2, 0.1)[0]
         assert abs(loss.item() - want.item()) < 1e-6
         at_sampling_temperature = online_dpo_loss(at[policy, 0.5], at[ref_model, 0.5], completion_mask, 2, 0.1)[0]
@@ -548,17 +548,17 @@ def test_verifiers_by_hand():
 
 # ---------------------------------------------------------------------------------------------- generation
 def test_completion_logprobs_entropy():
+    """Entropies and log-probs from logits / T of each sequence alone; 0 past a completion's end."""
     model = tiny_gpt2()
-    input_ids, attention_mask, completion_mask = make_batch([[1, 2, 3, 4], [5]], [[6, 7, 8], [9]], pad_token_id=0)
+    prompts, completions = [[1, 2, 3, 4], [5]], [[6, 7, 8], [9]]
+    batch = make_batch("cpu", prompts, completions, range(2), SimpleNamespace(padding_free=True))
     with torch.no_grad():
-        logps, entropy = completion_logprobs(model, input_ids, attention_mask, 3, temperature=0.7, with_entropy=True)
-        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-        logits = (
-            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, -4:-1] / 0.7
-        )
-        log_p = torch.log_softmax(logits, -1)
-    torch.testing.assert_close(entropy, -(log_p.exp() * log_p).sum(-1))
-    torch.testing.assert_close(logps, log_p.gather(-1, input_ids[:, -3:, None])[..., 0])
+        logps, entropy = completion_logprobs(model, batch, temperature=0.7, with_entropy=True)
+        for row, (p, c) in enumerate(zip(prompts, completions)):
+            log_p = torch.log_softmax(model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1] / 0.7, -1)
+            torch.testing.assert_close(entropy[row, : len(c)], -(log_p.exp() * log_p).sum(-1))
+            torch.testing.assert_close(logps[row, : len(c)], log_p.gather(-1, torch.tensor(c)[:, None])[:, 0])
+    assert logps[1, 1:].tolist() == [0.0, 0.0] and entropy[1, 1:].tolist() == [0.0, 0.0]
 
 
 def test_generation_samples_from_logits_over_temperature(toy, tmp_path):

@@ -142,8 +142,8 @@ def test_adaptive_kl_controller():
 
 
 def test_token_values_are_read_before_each_token():
-    """V(s_t) comes from the position before token t, with left-padded prompts (GPT-2: absolute positions), plus the
-    folder's score_bias (a value model copied from a normalised reward model starts as its score)."""
+    """V(s_t) comes from the position before token t, sequences packed (GPT-2: absolute positions), plus the folder's
+    score_bias (a value model copied from a normalised reward model starts as its score); 0 past a completion."""
     torch.manual_seed(0)
     model = GPT2ForSequenceClassification(
         GPT2Config(
@@ -160,10 +160,12 @@ def test_token_values_are_read_before_each_token():
         )
     ).eval()
     model.config.score_bias = 0.5
-    prompts, completions = [[1, 2, 3, 4], [5]], [[6, 7], [8, 9, 10]]
-    input_ids, attention_mask, completion_mask = make_batch(prompts, completions, pad_token_id=0)
+    prompts, completions = [[1, 2, 3, 4, 11, 12, 13], [5], [14]], [[6, 7], [8, 9, 10], [15]]  # 9, 4, 2: two share a row
+    batch = make_batch("cpu", prompts, completions, range(3), SimpleNamespace(padding_free=True))
+    assert len(batch["input_ids"]) == 2
     with torch.no_grad():
-        values = token_values(model, input_ids, attention_mask, completion_mask.shape[1])
+        values = token_values(model, batch)
+        assert values[2, 1:].tolist() == [0.0, 0.0]
         for row, (p, c) in enumerate(zip(prompts, completions)):
             hidden = model.transformer(torch.tensor([p + c])).last_hidden_state[0]
             expected = model.score(hidden[len(p) - 1 : len(p) - 1 + len(c)])[:, 0] + 0.5
@@ -283,9 +285,8 @@ def greedy_reward(policy, reward, prompts_file):
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
     with torch.no_grad():
         completions = generate_completions(model, prompts, 12, None, tokenizer.eos_token_id, tokenizer.pad_token_id)
-        return (
-            sequence_scores(reward_model, *make_batch(prompts, completions, tokenizer.pad_token_id)[:2]).mean().item()
-        )
+        batch = make_batch("cpu", prompts, completions, range(len(prompts)), SimpleNamespace(padding_free=True))
+        return sequence_scores(reward_model, batch).mean().item()
 
 
 def test_ppo_on_the_toy_task(toy, sft_model, reward_model, tmp_path):

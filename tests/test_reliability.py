@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, read_metrics, run_in_process, run_script, script_env
+from conftest import ROOT, read_metrics, run_in_process, run_script, run_scripts, script_env
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -224,6 +224,35 @@ def test_remote_code_runs_only_with_trust_remote_code(toy, tmp_path):
     (folder / "planted.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
     error, _ = run_in_process("sft.py", script_args("sft.py", folder, toy / "sft", tmp_path / "out", None))
     assert isinstance(error, ValueError) and "trust_remote_code" in str(error) and not (tmp_path / "ran").exists()
+
+
+def test_a_model_that_reads_across_packed_sequences_is_refused_padding_free(toy, tmp_path):
+    """A remote-code model whose forward drops position_ids and attention_mask: packed, its attention runs across a
+    row's sequences, so --padding_free is refused in one line before training, naming the model. A sequence a row
+    (--no-padding_free: right-padded, and causal attention never reads a later pad) it trains as the plain model."""
+    folder = tmp_path / "drops"
+    shutil.copytree(toy / "model", folder)
+    config = json.load(open(folder / "config.json"))
+    config["model_type"] = "drops_positions"
+    config["auto_map"] = {"AutoConfig": "drops.DropsConfig", "AutoModelForCausalLM": "drops.DropsPositions"}
+    json.dump(config, open(folder / "config.json", "w"))
+    (folder / "drops.py").write_text(
+        "from transformers import Qwen2Config, Qwen2ForCausalLM\n\n\n"
+        "class DropsConfig(Qwen2Config):\n    model_type = 'drops_positions'\n\n\n"
+        "class DropsPositions(Qwen2ForCausalLM):\n    config_class = DropsConfig\n\n"
+        "    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):\n"
+        "        return super().forward(input_ids=input_ids, **kwargs)\n"
+    )
+    run = lambda model, out, *extra: script_args("sft.py", model, toy / "sft", tmp_path / out, None, *extra)
+    error, _ = run_in_process("sft.py", run(folder, "refused", "--trust_remote_code"))
+    assert isinstance(error, ValueError) and str(error).startswith(f"--model_name_or_path {str(folder)!r} reads across "
+                                                                   "the sequences of a packed row"), repr(error)
+    assert str(error).endswith("relative change): use --no-padding_free")
+    padded, plain = run_scripts([("sft.py", run(folder, "padded", "--trust_remote_code", "--no-padding_free"), 1),
+                                 ("sft.py", run(toy / "model", "plain"), 1)])
+    assert padded.returncode == 0 and plain.returncode == 0, padded.stderr[-3000:] + plain.stderr[-3000:]
+    losses = [[row["loss"] for row in read_metrics(tmp_path / out)] for out in ("padded", "plain")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
 def poisoned_copy(source, out, name):

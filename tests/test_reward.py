@@ -2,6 +2,7 @@
 formats, and the script on the toy task (accuracy, centred scores, a folder HF loads)."""
 
 import math
+from types import SimpleNamespace
 
 import datasets
 import pytest
@@ -9,7 +10,7 @@ import torch
 from conftest import read_metrics
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2Config, GPT2ForSequenceClassification
 
-from reward import bradley_terry_loss, last_token_index, make_batch, sequence_scores, tokenize_preference
+from reward import bradley_terry_loss, make_batch, sequence_scores, tokenize_preference
 
 
 # ----------------------------------------------------------------------------------------------------- unit tests
@@ -22,20 +23,6 @@ def test_bradley_terry_loss_by_hand():
     # -log(1 / (1 + exp(-x))) = log(1 + exp(-x)) with x = r_chosen - r_rejected - margin
     expected = [math.log(1 + math.exp(-x)) for x in (1.0, -1.25, 3.0)]
     assert bradley_terry_loss(chosen, rejected, margins).tolist() == pytest.approx(expected, rel=1e-6)
-
-
-def test_last_token_index_left_right_and_pad_equals_eos():
-    left = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
-    right = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
-    both = torch.tensor(
-        [[0, 1, 1, 1, 0], [0, 0, 1, 0, 0]]
-    )  # [left-padded prompt | right-padded completion], as make_batch builds
-    assert last_token_index(left).tolist() == [4, 4, 4]
-    assert last_token_index(right).tolist() == [2, 4, 0]
-    assert last_token_index(both).tolist() == [3, 2]
-    eos = 9  # pad == eos: make_batch's mask still ends at the completion's EOS
-    _, mask, _ = make_batch([[1, 2], [3]], [[4, eos], [5, 6, 7, eos]], pad_token_id=eos)
-    assert last_token_index(mask).tolist() == [3, 5]  # [1, 2 | 4, eos, pad, pad] and [pad, 3 | 5, 6, 7, eos]
 
 
 def tiny_classifier(pad_token_id):
@@ -62,26 +49,23 @@ def unpadded_score(model, ids):
     return model.score(model.transformer(torch.tensor([ids])).last_hidden_state[0, -1]).item()
 
 
-def test_sequence_scores_at_the_last_real_token_for_any_padding_and_pad_equals_eos():
-    eos = 9
+@pytest.mark.parametrize("packed", [False, True])
+def test_sequence_scores_at_each_last_token_packed_or_padded_and_pad_equals_eos(packed):
+    """Each sequence's score at its own last token (from the lengths: pad == eos), a sequence a row or packed (the
+    5 and the 2 tokens share a row), GPT-2's absolute positions; plus the folder's score_bias."""
+    eos = 0  # the id make_batch pads with
     model = tiny_classifier(pad_token_id=eos)
-    prompts, completions = [[1, 2, 3], [4]], [[5, eos], [6, 7, 8, eos]]
+    prompts, completions = [[1, 2, 3], [4, 5], [11]], [[5, 6, 7, eos], [6, 7, eos], [eos]]  # 7, 5 and 2 tokens
     expected = [unpadded_score(model, p + c) for p, c in zip(prompts, completions)]
+    batch = make_batch("cpu", prompts, completions, range(3), SimpleNamespace(padding_free=packed))
+    assert len(batch["input_ids"]) == (2 if packed else 3)
     with torch.no_grad():
-        input_ids, mask, _ = make_batch(
-            prompts, completions, pad_token_id=eos
-        )  # left-padded prompts, right-padded completions
-        assert sequence_scores(model, input_ids, mask).tolist() == pytest.approx(expected, abs=1e-5)
-        right = torch.tensor([[1, 2, 3, 5, eos, eos, eos], [4, 6, 7, 8, eos, eos, eos]])  # all right-padded, pad == eos
-        right_mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0, 0]])
-        assert sequence_scores(model, right, right_mask).tolist() == pytest.approx(expected, abs=1e-5)
-        # control: HF's own pooling (last token != pad_token_id) reads the token before EOS, another score
-        hf = model(input_ids=right, attention_mask=right_mask).logits[:, 0]
-        assert not torch.allclose(hf, torch.tensor(expected), atol=1e-3)
+        assert sequence_scores(model, batch).tolist() == pytest.approx(expected, abs=1e-5)
+        # control: HF's own pooling (the last token != pad_token_id) reads the first row's token before EOS
+        hf = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0, 0]
+        assert abs(hf.item() - expected[0]) > 1e-3
         model.config.score_bias = -0.75  # what --normalize_reward saves
-        assert sequence_scores(model, right, right_mask).tolist() == pytest.approx(
-            [e - 0.75 for e in expected], abs=1e-5
-        )
+        assert sequence_scores(model, batch).tolist() == pytest.approx([e - 0.75 for e in expected], abs=1e-5)
 
 
 class A:
@@ -185,11 +169,13 @@ def test_reward_model_learns_the_toy_pairs_and_saves_centred_scores(toy, reward_
         scores = [
             sequence_scores(
                 model,
-                *make_batch(
+                make_batch(
+                    "cpu",
                     train["prompt"][i : i + 500] * 2,
                     train["chosen"][i : i + 500] + train["rejected"][i : i + 500],
-                    tok.pad_token_id,
-                )[:2],
+                    range(1000),
+                    SimpleNamespace(padding_free=True),
+                ),
             )
             for i in range(0, 4000, 500)
         ]

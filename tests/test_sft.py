@@ -2,11 +2,13 @@
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import read_metrics, reference_logprobs, run_script, tiny_gpt2
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 import sft
 from sft import (
@@ -24,35 +26,60 @@ from toy_task import demonstrators_ceiling, exact_match, greedy_scores, load_cau
 
 
 # ----------------------------------------------------------------------------------------------------- unit tests
-def test_make_batch_keeps_eos_when_pad_equals_eos():
-    eos = 7  # pad == eos: a mask built from `input_ids != pad` would drop the EOS the model must learn
-    input_ids, attention_mask, completion_mask = make_batch(
-        [[1, 2, 3], [4]], [[5, eos], [6, 6, 6, eos]], pad_token_id=eos
-    )
-    assert input_ids.tolist() == [[1, 2, 3, 5, eos, eos, eos], [eos, eos, 4, 6, 6, 6, eos]]
-    assert attention_mask.tolist() == [[1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1]]
-    assert completion_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+@pytest.mark.parametrize("packed", [False, True])
+def test_make_batch_packs_best_fit_and_keeps_eos_when_pad_equals_eos(packed):
+    """Sequences end to end in right-padded rows, positions from each one's start. Padded: a sequence a row. Packed:
+    the longest first, each into the fullest row it fits, rows as long as the longest (5 tokens: the 3 and the 2
+    share one). The completion mask comes from the lengths: with pad == eos a mask from `input_ids != pad` would drop
+    the EOS the model must learn. targets: each completion token's flat index; last: each sequence's last token's."""
+    eos = 0  # the id make_batch pads with
+    prompts, completions = [[1, 2, 3], [4], [8]], [[5, eos], [6, eos], [9]]  # 5, 3 and 2 tokens
+    batch = make_batch("cpu", prompts, completions, range(3), SimpleNamespace(padding_free=packed))
+    if packed:
+        assert batch["input_ids"].tolist() == [[1, 2, 3, 5, eos], [4, 6, eos, 8, 9]]
+        assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1]]
+        assert batch["targets"].tolist() == [[3, 4], [6, 7], [9, 10]] and batch["last"].tolist() == [4, 7, 9]
+    else:
+        assert batch["input_ids"].tolist() == [[1, 2, 3, 5, eos], [4, 6, eos, eos, eos], [8, 9, eos, eos, eos]]
+        assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 0], [0, 1, 0, 0, 0]]
+        assert batch["targets"].tolist() == [[3, 4], [6, 7], [11, 12]] and batch["last"].tolist() == [4, 7, 11]
+    assert batch["completion_mask"].tolist() == [[1, 1], [1, 1], [1, 0]] and batch["tokens"] == 10
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_completion_logprobs_left_padding_and_temperature(temperature, monkeypatch):
-    monkeypatch.setattr("sft.HEAD_ROWS", 4)  # 2 rows x 3 positions: the head in chunks of 4 and 2
+def test_completion_logprobs_of_packed_or_padded_rows_and_temperature(packed, temperature, monkeypatch):
+    """Each sequence's log-probs as it gets alone, packed or not, with GPT-2's absolute positions. The control: the
+    packed row read with the positions of one sequence (no restart) gives the second sequence other log-probs."""
+    monkeypatch.setattr("sft.HEAD_ROWS", 4)  # the head in chunks of 4
     model = tiny_gpt2()
-    prompts, completions = [[1, 2, 3, 4, 5], [6, 7]], [[8, 9], [10, 11, 12]]
-    input_ids, attention_mask, completion_mask = make_batch(prompts, completions, pad_token_id=0)
+    prompts, completions = [[1, 2, 3, 4, 5], [6, 7], [13]], [[8, 9], [10, 11, 12], [15]]  # 7, 5 and 2 tokens
+    batch = make_batch("cpu", prompts, completions, range(3), SimpleNamespace(padding_free=packed))
+    assert len(batch["input_ids"]) == (2 if packed else 3)
     with torch.no_grad():
-        logprobs = completion_logprobs(model, input_ids, attention_mask, completion_mask.shape[1], temperature)
+        logprobs = completion_logprobs(model, batch, temperature)
         for row, (p, c) in enumerate(zip(prompts, completions)):
             torch.testing.assert_close(
                 logprobs[row, : len(c)], reference_logprobs(model, p, c, temperature), atol=1e-5, rtol=1e-5
             )
-        # control: the same batch without position_ids gives other log-probs for the left-padded row
-        plain = model(input_ids=input_ids, attention_mask=attention_mask).logits[1, -4:-2]
-        assert not torch.allclose(
-            torch.log_softmax(plain, -1).gather(-1, torch.tensor([[10], [11]]))[:, 0],
-            reference_logprobs(model, prompts[1], completions[1])[:2],
-            atol=1e-3,
-        )
+        if packed:  # [6, 7, 10, 11, 12, 13, 15] with positions 0-6: the third sequence reads the second
+            batch["position_ids"] = torch.arange(7).expand(2, 7)
+            plain = completion_logprobs(model, batch, temperature)[2, 0]
+            assert (plain - reference_logprobs(model, prompts[2], completions[2], temperature)[0]).abs() > 1e-3
+
+
+def test_a_packed_row_keeps_its_sequences_apart(toy):
+    """Changing one sequence of a packed row does not move the log-probs of the other sequences in it (the toy Qwen2
+    model, sdpa attention: transformers builds the block-diagonal mask from the restarting positions)."""
+    model = AutoModelForCausalLM.from_pretrained(toy / "model").eval()
+    prompts, completions = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]], [[16, 17], [18, 19], [20]]  # 8, 4, 4
+    args = SimpleNamespace(padding_free=True)
+    with torch.no_grad():
+        before = completion_logprobs(model, make_batch("cpu", prompts, completions, range(3), args))
+        changed = make_batch("cpu", prompts, [[16, 17], [21, 22], [20]], range(3), args)
+        assert changed["input_ids"].tolist()[1] == [11, 12, 21, 22, 13, 14, 15, 20]  # the two share a row
+        after = completion_logprobs(model, changed)
+    assert torch.equal(after[[0, 2]], before[[0, 2]]) and not torch.equal(after[1], before[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -99,8 +126,10 @@ def test_head_gradient_in_bf16_is_one_matrix_product_a_vocabulary_slice(monkeypa
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=2000, n_positions=1025, n_embd=64, n_layer=1, n_head=2, tie_word_embeddings=False)
     model = GPT2LMHeadModel(config).to(torch.bfloat16)
-    input_ids, attention_mask = torch.randint(0, 2000, (4, 1025)), torch.ones(4, 1025, dtype=torch.long)
+    input_ids = torch.randint(0, 2000, (4, 1025))
     upstream, labels = torch.randn(4, 1024), input_ids[:, 1:].flatten()
+    sequences = [[row[:1], row[1:]] for row in input_ids.tolist()]  # a prompt of one token, 1,024 predicted
+    batch = make_batch("cpu", *zip(*sequences), range(4), SimpleNamespace(padding_free=True))
     states = []  # the head's inputs: the decoder's output, the last position dropped
     model.transformer.register_forward_hook(lambda module, inputs, output: states.append(output[0][:, :-1]))
 
@@ -114,7 +143,7 @@ def test_head_gradient_in_bf16_is_one_matrix_product_a_vocabulary_slice(monkeypa
     for rows in (512, 128):
         monkeypatch.setattr("sft.HEAD_ROWS", rows)
         model.zero_grad()
-        (completion_logprobs(model, input_ids, attention_mask, 1024) * upstream).sum().backward()
+        (completion_logprobs(model, batch) * upstream).sum().backward()
         weight, hidden = model.lm_head.weight, states[-1].detach()
         exact = head_gradient(hidden.float(), weight.detach().float())
         one_product = error(head_gradient(hidden, weight.detach()))
@@ -169,13 +198,51 @@ def test_head_logprobs_keeps_no_vocabulary_sized_tensor_for_the_backward():
         assert (max(saved) >= 64 * 1000) == keeps_logits and weight.numel() in saved, saved
 
 
+def test_the_layout_check_leaves_the_parameters_sharded(toy):
+    """check_layout's forwards leave the root's parameters gathered (FSDP2 keeps a root's after its forward): it
+    reshards them, so the optimizer made next holds the sharded ones: else it would get the gathered copies of the
+    embeddings and the final norm, which training never updates (the run parts from its padded twin at step 2)."""
+    from torch.distributed.tensor import DTensor
+
+    args = SimpleNamespace(trust_remote_code=False, gradient_checkpointing=False, bf16=False, cpu_offload=False,
+                           reshard_after_forward=True, padding_free=True, model_name_or_path=str(toy / "model"))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, _ = sft.load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args, "--model_name_or_path")
+        model = sft.shard_model(model, args, dist.init_device_mesh("cpu", (1,)))
+        sft.check_layout(model, [list(range(5, 17))], [[17, 18]], args, "--model_name_or_path")
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_layout_check_turns_dropout_off_to_find_a_model_reading_across_sequences():
+    """A model whose forward drops position_ids (packed sequences then read each other), in training mode with
+    dropout, as sft.py's ranks but the first build theirs: refused. With dropout on, the states of the piece alone
+    in its row would move by as much as the leak, and the check, above 10 x that noise, would pass it."""
+
+    class DropsPositions(GPT2LMHeadModel):
+        def forward(self, input_ids=None, position_ids=None, **options):
+            return super().forward(input_ids=input_ids, **options)
+
+    torch.manual_seed(0)
+    model = DropsPositions(GPT2Config(vocab_size=50, n_positions=64, n_embd=32, n_layer=2, n_head=2)).train()
+    args = SimpleNamespace(padding_free=True, bf16=False, model_name_or_path="drops-positions")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(sft.ScriptError, match="'drops-positions' reads across the sequences of a packed row"):
+            sft.check_layout(model, [list(range(1, 25))], [[25, 26]], args, "--model_name_or_path")
+    finally:
+        dist.destroy_process_group()
+
+
 def test_completion_logprobs_refuses_a_head_that_is_not_linear():
     model = tiny_gpt2()
-    input_ids, attention_mask, completion_mask = make_batch([[1, 2, 3]], [[4, 5]], pad_token_id=0)
-    completion_logprobs(model, input_ids, attention_mask, 2)
+    batch = make_batch("cpu", [[1, 2, 3]], [[4, 5]], [0], SimpleNamespace(padding_free=True))
+    completion_logprobs(model, batch)
     model.lm_head.register_forward_hook(lambda module, args, output: output / 30)  # a logit scale, as Cohere's
     with pytest.raises(ValueError, match="not its head's linear map of its last hidden states"):
-        completion_logprobs(model, input_ids, attention_mask, 2)
+        completion_logprobs(model, batch)
 
 
 def test_sft_loss_is_token_mean_over_the_global_batch():
@@ -186,8 +253,9 @@ def test_sft_loss_is_token_mean_over_the_global_batch():
         expected = -sum(reference_logprobs(model, p, c).sum() for p, c in zip(prompts, completions)) / num_tokens
         # split in two micro-batches, each divided by the global count, the parts sum to the global mean
         data = {"prompt": prompts, "completion": completions}
-        part_a, _ = sft_loss(model, data, [0, 1], 0, num_tokens)
-        part_b, _ = sft_loss(model, data, [2], 0, num_tokens)
+        args = SimpleNamespace(padding_free=True)
+        part_a, _ = sft_loss(model, data, [0, 1], args, num_tokens)
+        part_b, _ = sft_loss(model, data, [2], args, num_tokens)
     torch.testing.assert_close(part_a + part_b, expected, atol=1e-6, rtol=1e-6)
 
 

@@ -1,9 +1,10 @@
 """The training-loop invariants of DESIGN.md, for every script (sft.py, reward.py, dpo.py, grpo.py and its online
 DPO, ppo.py): the same global batch split three ways gives the same losses and weights (the third also with
---no-reshard_after_forward and --shard_degree 1: replicated, not sharded); the LR schedule is exact and ends at the
-last optimizer step; a run stopped by SIGTERM or SIGKILL and resumed with --resume_from auto continues bit for bit.
-grpo.py and ppo.py sample their own data: their rollouts do not depend on the number of processes (generation chunks
-are seeded by rollout and chunk), so the same comparisons hold."""
+--no-reshard_after_forward, --shard_degree 1: replicated, not sharded, and --no-padding_free: a sequence a row where
+the others pack them); the LR schedule is exact and ends at the last optimizer step; a run stopped by SIGTERM or
+SIGKILL and resumed with --resume_from auto continues bit for bit. grpo.py and ppo.py sample their own data: their
+rollouts do not depend on the number of processes (generation chunks are seeded by rollout and chunk), so the same
+comparisons hold."""
 
 import concurrent.futures
 import json
@@ -123,9 +124,10 @@ def split_runs(request, toy, tmp_path_factory):
             + extra
             + ["--per_device_train_batch_size", mb, "--gradient_accumulation_steps", ga, "--save_every", 6]
         )
-        if ga > 1:  # parameters kept gathered from forward to backward (and, grpo/ppo, from generation on), and the
-            # model replicated on both processes (HSDP of 2 groups of 1, DDP's traffic): the same run
-            args += ["--no-reshard_after_forward", "--shard_degree", 1]
+        if ga > 1:  # parameters kept gathered from forward to backward (and, grpo/ppo, from generation on), the
+            # model replicated on both processes (HSDP of 2 groups of 1, DDP's traffic), and a sequence a row where the
+            # others pack them (--no-padding_free): the same run
+            args += ["--no-reshard_after_forward", "--shard_degree", 1, "--no-padding_free"]
         launches.append((script, args, nproc))
     for result in run_scripts(launches):  # the three at once
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]

@@ -127,7 +127,8 @@ def test_dpo_loss_and_gradient_equal_trls(name):
     results = {}
     for loss_type in (case["ours"], "ipo"):  # ipo: the paper's summed form, which TRL's ipo is not
         args = SimpleNamespace(beta=case["beta"], loss_type=loss_type, label_smoothing=0.0, rpo_alpha=0.0)
-        summed = (per_token * (torch.arange(per_token.shape[1]) < lengths[:, None])).sum(1)  # as pair_logps masks
+        # 0 past each length, as completion_logprobs gives
+        summed = (per_token * (torch.arange(per_token.shape[1]) < lengths[:, None])).sum(1)
         loss = dpo_loss(summed[:pairs], summed[pairs:], ref_chosen, ref_rejected, lengths, args)[0].mean()
         (grad,) = torch.autograd.grad(loss, per_token)
         results[loss_type] = (loss.item(), grad)
