@@ -543,7 +543,7 @@ def generation_stage(out, sizes, args):
         dynamic: lambda: scores_check(model, small, check, pad_id, temperature),
         # compiled too, on a GPU (HF compiles the decoding step of a static cache on accelerators only)
         static: lambda: scores_check(model, small, static_check, pad_id, temperature),
-        batch: lambda: logprobs_check(model, small, check, pad_id, temperature),
+        batch: lambda: logprobs_check(model, small, check, temperature),
         own: lambda: own_check(model, small, sizes["check_tokens"], temperature, eos, pad_id, False),
         own_compiled: lambda: own_check(model, small, sizes["check_tokens"], temperature, eos, pad_id, True),
     }
@@ -589,7 +589,7 @@ def own_check(model, prompts, new_tokens, temperature, eos, pad_id, compiled):
 
     scores = []
     completions = decode(model, prompts, new_tokens, temperature, eos, pad_id, compiled, scores)
-    reference, labels, completion_mask = teacher_forced(model, prompts, completions, pad_id, temperature)
+    reference, labels, completion_mask = teacher_forced(model, prompts, completions, temperature)
     sampled_from = torch.log_softmax(torch.stack(scores, 1)[:, : reference.shape[1]].float(), -1)
     chosen = (sampled_from.gather(-1, labels[..., None]) - reference.gather(-1, labels[..., None]))[..., 0]
     distribution = (sampled_from - reference).abs()[completion_mask].max().item()
@@ -621,7 +621,7 @@ def batch_generate(model, prompts, config, with_logprobs=False):
     return completions
 
 
-def teacher_forced(model, prompts, completions, pad_id, temperature):
+def teacher_forced(model, prompts, completions, temperature):
     """log_softmax(logits / T) at every completion position, from one forward of each sequence in its own right-padded
     row, positions from its start, as grpo.py's make_batch lays them out with --no-padding_free."""
     from types import SimpleNamespace
@@ -652,7 +652,7 @@ def scores_check(model, prompts, config, pad_id, temperature):
     finally:
         model.generation_config = folder_config
     completions = cut(output.sequences[:, input_ids.shape[1] :].tolist(), config.eos_token_id)
-    reference, labels, completion_mask = teacher_forced(model, prompts, completions, pad_id, temperature)
+    reference, labels, completion_mask = teacher_forced(model, prompts, completions, temperature)
     scores = torch.stack(output.scores, 1)[:, : reference.shape[1]].float()
     sampled_from = torch.log_softmax(scores, -1)
     filtered = bool(torch.isinf(scores[completion_mask]).any())
@@ -662,10 +662,10 @@ def scores_check(model, prompts, config, pad_id, temperature):
     return {"max_abs_logprob_difference": chosen, "max_abs_distribution_difference": distribution, "filtered": filtered}
 
 
-def logprobs_check(model, prompts, config, pad_id, temperature):
+def logprobs_check(model, prompts, config, temperature):
     """generate_batch's own log-probs of the tokens it sampled, against the teacher-forced ones."""
     completions, logprobs, prompt_ids = batch_generate(model, prompts, config, with_logprobs=True)
-    reference, labels, completion_mask = teacher_forced(model, prompt_ids, completions, pad_id, temperature)
+    reference, labels, completion_mask = teacher_forced(model, prompt_ids, completions, temperature)
     reference = reference.gather(-1, labels[..., None])[..., 0]
     theirs = torch.zeros_like(reference)
     for i, row in enumerate(logprobs):
