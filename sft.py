@@ -148,7 +148,8 @@ def tokenize_sft(dataset, tokenizer, args):
     data = {"prompt": [], "completion": []}
     dropped = dict.fromkeys(["empty completion", "prompt too long", "completion too long", "empty prompt"], 0)
     for prompt, completion in pairs:
-        if not completion or isinstance(completion, list) and not completion[-1]["content"]:
+        turn = completion[-1] if isinstance(completion, list) and completion else {"content": completion}
+        if not (turn["content"] or turn.get("tool_calls")):  # a turn that only calls tools is not empty
             dropped["empty completion"] += 1
             continue
         prompt_ids, completion_ids = tokenize_prompt_completion(tokenizer, prompt, completion)

@@ -22,10 +22,23 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+# messages as <|role|>text; with tools (grpo.py --tools): their names in a first system turn, an assistant turn's
+# calls as a Python list ([calculator(expression="2+3")], Llama 3.2's style) and a tool's result as a system turn
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if m['role'] == 'assistant' %}<|eos|>{% endif %}"
+    "{% if tools %}<|system|>tools:{% for t in tools %} {{ t.function.name }}{% endfor %}{% endif %}"
+    "{% for m in messages %}<|{{ 'system' if m['role'] == 'tool' else m['role'] }}|>{{ m['content'] }}"
+    "{% if m.tool_calls %}[{% for c in m.tool_calls %}{{ c.function.name }}("
+    "{% for k, v in c.function.arguments.items() %}{{ k }}={{ v | tojson }}{{ ', ' if not loop.last }}{% endfor %})"
+    "{{ ', ' if not loop.last }}{% endfor %}]{% endif %}"
+    "{% if m['role'] == 'assistant' %}<|eos|>{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+# how transformers' parse_response reads an assistant turn back: its text, and the calls list
+RESPONSE_TEMPLATE = {"start_anchor": "<|assistant|>", "fields": {
+    "tool_calls": {"open_pattern": r"(?=\[\w+\()", "close_pattern": r"(?<=\)\])", "content": "python-call-list",
+                   "transform_each": True,
+                   "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{arguments}"}}},
+    "content": {"close_pattern": r"<\|eos\|>", "content": "text"}}}
 
 
 def make_tokenizer():
@@ -38,7 +51,7 @@ def make_tokenizer():
     tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens(["<|pad|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"])
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<|pad|>", eos_token="<|eos|>")
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template, tok.response_template = CHAT_TEMPLATE, RESPONSE_TEMPLATE
     return tok
 
 

@@ -296,6 +296,14 @@ def test_bad_rows_are_counted_not_silently_dropped(toy):
     }
     with pytest.raises(ValueError, match="needs a 'completion' column"):
         tokenize_sft(datasets.Dataset.from_dict({"prompt": ["a"], "answer": ["b"]}), tok, A)
+    # a turn that only calls a tool is no empty completion; an empty reply is one
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2+3"}}}
+    user = [{"role": "user", "content": "sum: 2 3 ->"}]
+    turns = [[{"role": "assistant", "content": "", "tool_calls": [call]}], [{"role": "assistant", "content": ""}]]
+    A.max_completion_length = 40
+    data, dropped = tokenize_sft(datasets.Dataset.from_list([{"prompt": user, "completion": t} for t in turns]), tok, A)
+    assert [tok.decode(ids) for ids in data["completion"]] == ['[calculator(expression="2+3")]<|eos|>']
+    assert dropped["empty completion"] == 1
 
 
 def test_a_chat_template_that_renders_the_prompt_otherwise_before_a_reply_is_refused(toy):
