@@ -13,7 +13,10 @@ import collections
 import contextlib
 import decimal
 import fcntl
+import functools
 import glob
+import importlib
+import inspect
 import json
 import logging
 import math
@@ -182,6 +185,12 @@ class Args:
     dynamic_sampling: AtLeast1 = 1
     """DAPO's dynamic sampling: up to this many rounds of prompts a rollout, for groups with a spread (the prompts
     read on in their order: the same rollouts read more of them)"""
+    tools: Optional[list[str]] = None
+    """tools the policy may call: names in TOOLS (below) or module.function (importable); prompts as messages"""
+    max_tool_calls: Optional[AtLeast1] = None
+    """turns calling tools a completion may take (TRL's max_tool_calling_iterations; default: as many as fit)"""
+    tool_timeout: Optional[Positive] = None
+    """seconds a tool call may run, then an error the model reads (default 10)"""
 
     # GRPO and its variants (the README's table)
     policy_loss: Literal["clip", "cispo", "dpo"] = "clip"
@@ -202,6 +211,21 @@ class Args:
     """the KL estimate in the loss; objective/kl is logged with k3"""
     loss_type: Literal["token", "sequence", "constant"] = "token"
     """what the loss sum is divided by"""
+
+
+def calculator(expression: str) -> str:
+    """Evaluates arithmetic: numbers, + - * / and brackets.
+
+    Args:
+        expression: for example "23+7*(41-5)"
+    """
+    if not re.fullmatch(r"[\d.+\-*/() ]+", expression) or "**" in expression:  # no names, no 9**9**9 to hang on
+        raise ValueError(f"{expression!r} is not arithmetic: numbers, + - * / and brackets")
+    return str(eval(expression, {"__builtins__": {}}))
+
+
+# the tools --tools names: a function with a docstring (its schema, as transformers reads it); add yours here
+TOOLS = {"calculator": calculator}
 
 # a number: -1,234.5 or 1234, not a part of 1,2345, 3/4, 2^4 or 1e3
 NUMBER = r"(?<![\d.,/^eE])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d,.]?\d|/\d|\^|[eE][-+]?\d)"
@@ -277,8 +301,7 @@ def best_and_worst(rewards, usable):
 
 def training_rows(kept, spread, rewards, usable, num_groups, args):
     """The rows a rollout trains on, of the rows `kept` (G a group, in sampling order): num_groups groups, those with a
-    `spread` first (DAPO's dynamic sampling); online DPO: each group's best and worst usable row. And those groups'
-    metrics."""
+    `spread` first (DAPO's dynamic sampling); online DPO: each group's best and worst usable row; their metrics."""
     G, N = args.num_generations, args.num_candidates
     groups = torch.argsort((~spread).int(), stable=True)[:num_groups].tolist()
     rows = [kept[g * G + i] for g in groups for i in range(G)]
@@ -356,12 +379,158 @@ def loss_temperature(args):
     return 1.0 if args.policy_loss == "dpo" else args.temperature
 
 
+def sample_rollout(model, prompts, draw, args, tokenizer, pad_token_id, tools):
+    """Completions in chunks round-robin over the ranks, each seeded by (seed, draw, chunk) (draw: the batch of prompts;
+    None: greedy): the same on any number of processes and on resume. With which tokens are the policy's (not a
+    tool's), and each completion's tool calls and failures."""
+    device, rank, greedy = next(model.parameters()).device, dist.get_rank(), draw is None
+    n, width = len(prompts), args.max_completion_length
+    chunk_size = args.per_device_eval_batch_size if greedy else args.local_rollout_forward_batch_size
+    table = torch.full((2, n, width), -1, device=device)  # token ids, and 1 a policy's token, 0 a tool's; -1: none
+    counts = torch.zeros(n, 2, device=device)
+    with unsharded(model, keep=not args.reshard_after_forward):
+        for chunk, start in enumerate(range(0, n, chunk_size)):
+            if chunk % args.world_size == rank:
+                torch.manual_seed((args.seed * 100_003 + (draw or 0)) * 100_003 + chunk)
+                turns = sample_turns(model, prompts[start : start + chunk_size], greedy, args, tokenizer, pad_token_id,
+                                     tools)
+                for i, (completion, mask, calls) in enumerate(turns, start):
+                    table[:, i, : len(completion)] = torch.tensor([completion, mask])
+                    counts[i] = torch.tensor(calls)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)  # each row filled by one rank
+    dist.all_reduce(counts)
+    lengths = (table[0] >= 0).sum(1)
+    return {"completion": [row[:k] for row, k in zip(table[0].tolist(), lengths.tolist())], "length": lengths,
+            "policy_mask": table[1].clamp(min=0), "tool_calls": counts}
+
+
+def sample_turns(model, prompts, greedy, args, tokenizer, pad_token_id, tools):
+    """A chunk's completions, each with its mask (1: the policy's token, 0: a tool's) and [tool calls, failures]:
+    sampled to EOS; a turn that calls tools goes on after their results as the chat template writes them, up to
+    --max_tool_calls turns and --max_completion_length tokens in all (a result cut there ends it, truncated)."""
+    eos, width, turn = tokenizer.eos_token_id, args.max_completion_length, 0
+    out, going = [([], [], [0, 0]) for _ in prompts], range(len(prompts))
+    while going:
+        turns = generate_completions(model, [prompts[i] + out[i][0] for i in going],
+                                     width - min(len(out[i][0]) for i in going), None if greedy else args.temperature,
+                                     eos, pad_token_id, args.cache_implementation)
+        may_call, going_on = tools and turn < (args.max_tool_calls or width), []
+        for i, ids in zip(going, turns):
+            completion, mask, counts = out[i]
+            ids = ids[: width - len(completion)]
+            results = may_call and ids[-1:] == [eos] and len(completion) + len(ids) < width and call_tools(
+                tokenizer, ids, prompts[i] + completion, tools, args, counts)
+            completion += ids
+            mask += [1] * len(ids)
+            suffix = results and tool_suffix(tokenizer, results)  # None: the template writes them otherwise
+            if suffix:  # the tools' tokens, to the next turn's start
+                suffix = suffix[: width - len(completion)]
+                completion += suffix
+                mask += [0] * len(suffix)
+                going_on += [i] * (len(completion) < width)
+        going, turn = going_on, turn + 1
+    return out
+
+
+def call_tools(tokenizer, turn, prefix, tools, args, counts):
+    """The results (tool, text) of the calls a turn makes, as the tokenizer parses them; counts += [calls, failures].
+    A failure is the model's, not the run's: an exception, a malformed call, an unknown tool, a call past
+    --tool_timeout, each an error message it reads."""
+    results = []
+    try:
+        calls = tokenizer.parse_response(turn, prefix=prefix, tools=list(tools.values())).get("tool_calls", [])
+    except Exception as e:  # a malformed call
+        calls, results = [], [("error", f"error: {(str(e).splitlines() or [repr(e)])[0]}")]
+        counts[1] += 1
+    for call in calls:
+        name = "error"
+        try:
+            signal.setitimer(signal.ITIMER_REAL, args.tool_timeout)  # then SIGALRM: tool_timed_out
+            try:  # KeyError: no name, or no such tool
+                name = str(call["function"]["name"])
+                text = str(tools[name](**call["function"].get("arguments") or {}))
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except Exception as e:  # a late alarm too
+            text = f"error: {e!r}"
+            counts[1] += 1
+        results.append((name, text))
+    counts[0] += len(results)
+    return results
+
+
+def tool_timed_out(signum, frame):
+    """SIGALRM in a tool call."""
+    raise TimeoutError("past --tool_timeout")
+
+
+def tool_suffix(tokenizer, results):
+    """What the chat template writes after the EOS of a turn that calls tools: their results (tool, text) as tool
+    messages, then the next turn's generation prompt (token ids); None (the completion ends) if it writes the turn's
+    start otherwise."""
+    call = {"type": "function", "function": {"name": results[0][0], "arguments": {}}}
+    turn = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    before = tokenizer.apply_chat_template(turn, tokenize=False)
+    messages = turn + [{"role": "tool", "name": name, "content": text} for name, text in results]
+    after = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    before = before[: before.rindex(tokenizer.eos_token) + len(tokenizer.eos_token)]  # Qwen writes "\n" after EOS
+    return tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"] if after.startswith(before) else None
+
+
+def tools_of(args):
+    """--tools as {name: function}, refused unless each is a function with a schema (its docstring); SIGALRM ends a
+    call past --tool_timeout."""
+    if not args.tools and (args.max_tool_calls or args.tool_timeout):
+        raise ScriptError("--max_tool_calls and --tool_timeout need --tools")
+    tools = {}
+    for name in args.tools or []:
+        module, _, function = name.rpartition(".")
+        try:
+            tool = TOOLS[name] if name in TOOLS else getattr(importlib.import_module(module), function, None)
+        except Exception as e:  # no such module, or one that fails to import
+            raise ScriptError(f"--tools {name}: not in grpo.py's TOOLS {list(TOOLS)}, nor module.function importable "
+                              f"beside grpo.py or on PYTHONPATH ({e!r})") from e
+        if not inspect.isfunction(tool) or tool.__name__ in tools:
+            raise ScriptError(f"--tools {name}: not a Python function (def), or a second tool of that name")
+        try:
+            tools[tool.__name__] = tool
+            transformers.utils.get_json_schema(tool)
+        except Exception as e:
+            raise ScriptError(f"--tools {name}: {e} (its docstring is its schema)") from e
+    if tools:
+        args.tool_timeout = args.tool_timeout or 10.0
+        signal.signal(signal.SIGALRM, tool_timed_out)
+    return tools
+
+
+def check_tool_template(tokenizer, tools, args):
+    """--tools refused unless the tokenizer reads back a call its chat template writes (its response_template) and the
+    template writes a tool's result after a turn that ends with EOS."""
+    if not tools:
+        return
+    name, user = next(iter(tools)), [{"role": "user", "content": "?"}]
+    call = {"type": "function", "function": {"name": name, "arguments": {}}}
+    try:
+        prompt = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+        turn = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": "", "tool_calls": [call]}],
+                                             tokenize=False)[len(prompt) :]
+        works = tokenizer.parse_response(turn, prefix=prompt).get("tool_calls") == [call]
+        works &= "a result" in tokenizer.decode(tool_suffix(tokenizer, [(name, "a result")]))
+    except Exception:  # no response_template; the template refuses tool messages, or ends no turn with EOS
+        works = False
+    if not works:
+        raise ScriptError(f"--tools: the tokenizer of {args.model_name_or_path} does not read back the tool calls its "
+                          "chat template writes (set a response_template in its tokenizer_config.json), or the "
+                          "template writes no tool result after a turn that ends with EOS")
+
+
 @torch.no_grad()
 def rollout_rewards(rollout, reward_model, tokenizer, args, device):
     """reward_fn_weight x verifier - missing_eos_penalty x (no EOS) - the overlong punishment + reward_model_weight x
     score (finite), which completions ended, the outcome: the verifier's, else the score."""
-    completions = rollout["completion"]
-    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    completions, masks = rollout["completion"], rollout["policy_mask"].tolist()
+    last_turns = [c[max([i + 1 for i in range(len(c)) if not m[i]], default=0) :] for c, m in zip(completions, masks)]
+    texts = tokenizer.batch_decode(last_turns, skip_special_tokens=True)  # the verifier reads the last turn
     correct = torch.tensor([verifier_reward(t, a, args.reward_fn) if args.reward_fn else 0.0
                             for t, a in zip(texts, rollout["answer"])], device=device)
     ended = torch.tensor([c[-1] == tokenizer.eos_token_id for c in completions], device=device)
@@ -422,8 +591,7 @@ def accumulate_gradients(model, rollout, mini, normaliser, args, sums):
                            "clip_ratio/high": (ratio > 1 + args.epsilon_high) & (A > 0) & (args.policy_loss != "dpo"),
                            "objective/kl": kl}
             stats = {name: (v * mask).sum() for name, v in token_stats.items() if v is not None}  # None: online DPO's
-            stats |= pair_stats | {"loss": loss.detach(), "tokens": mask.sum()}
-            stats["processed"] = batch["tokens"]
+            stats |= pair_stats | {"loss": loss.detach(), "tokens": mask.sum(), "processed": batch["tokens"]}
             for name, value in stats.items():
                 sums[name] += value
     return step_loss
@@ -476,7 +644,10 @@ def main(args):
         args.overlong_penalty_factor = 1.0
 
     # 2. data: every rank tokenises all prompts
-    tokenizer, pad_token_id, train, test, dropped = load_data(args, tokenize_prompts)
+    tools = tools_of(args)
+    tokenize = functools.partial(tokenize_prompts, tools=list(tools.values()) or None)  # the template writes them in
+    tokenizer, pad_token_id, train, test, dropped = load_data(args, tokenize)
+    check_tool_template(tokenizer, tools, args)
     num_rollouts, steps_per_rollout = rollouts_of(len(train["prompt"]), P, f" x {N}", "--num_iterations", args, dropped)
 
     # 3. models + FSDP2: the policy, the frozen reference (the SFT model), the reward model
@@ -510,8 +681,7 @@ def main(args):
             part = {name: [column[row] for row in rows for _ in range(N)] for name, column in train.items()}
 
             # 2. sample the completions
-            part["completion"], part["length"] = sample_rollout(model, part["prompt"], batch, args,
-                                                                tokenizer.eos_token_id, pad_token_id)
+            part |= sample_rollout(model, part["prompt"], batch, args, tokenizer, pad_token_id, tools)
 
             # 3. the rewards; rejection sampling keeps G of N (not the policy's gradient then)
             part |= rollout_rewards(part, reward_model, tokenizer, args, device)
@@ -530,6 +700,10 @@ def main(args):
                       f"{P} groups with a spread")
                 said = time.time()
         rows, stats = training_rows(kept, spread, torch.stack(rollout["reward"]), usable, P, args)
+        if tools:  # TRL's, over the completions sampled: calls a completion, failures a call
+            calls, failures = torch.stack(rollout["tool_calls"]).unbind(1)
+            stats |= {"tools/call_frequency": calls.mean(), "tools/failure_frequency": failures.sum()
+                      / calls.sum().clamp(min=1)}
         if rounds > 1:
             stats["dynamic_sampling/rounds"] = round_index + 1
         rollout = {name: [column[i] for i in rows] for name, column in rollout.items()}
@@ -538,7 +712,7 @@ def main(args):
         rollout["old_logps"] = no_grad_pass(model, rollout, args) if args.num_iterations > 1 else None
 
         # 4. the tokens in the loss, and the advantages
-        rollout["loss_mask"] = (torch.arange(args.max_completion_length, device=device) < lengths[:, None]).float()
+        rollout["loss_mask"] = torch.stack(rollout.pop("policy_mask")).float()  # not the tools' tokens
         if args.mask_truncated_completions:
             rollout["loss_mask"] *= ended[:, None]
         rollout["advantages"], zero_std = group_advantages(rewards, rollout["loss_mask"].sum(1), K, args)
@@ -569,8 +743,7 @@ def main(args):
                            "grad_norm": grad_norm.item()}
                 metrics |= window_metrics(reduce_sums(sums), step - logged, time.time() - window_start, args)
                 if is_due(step, args.eval_every, args) and test:
-                    test["completion"], test["length"] = sample_rollout(model, test["prompt"], None, args,
-                                                                        tokenizer.eos_token_id, pad_token_id)
+                    test |= sample_rollout(model, test["prompt"], None, args, tokenizer, pad_token_id, tools)
                     scored = rollout_rewards(test, reward_model, tokenizer, args, device)["reward"]
                     metrics["eval/scores"] = scored.mean().item()
                 if not learned and rank == 0:
@@ -672,9 +845,9 @@ def load_file(path):
         raise ScriptError(builder == "json" and data_file_problem(path) or f"dataset {path!r}: {e!r}") from e
 
 
-def tokenize_prompts(dataset, tokenizer, args):
-    """Prompts (strings, or messages with the generation prompt), the verifier's answers; empty or long ones dropped,
-    counted."""
+def tokenize_prompts(dataset, tokenizer, args, tools=None):
+    """Prompts (strings, or messages with the generation prompt and the `tools`), the verifier's answers; empty or long
+    ones dropped, counted."""
     prompts, answers = args.prompt_column, getattr(args, "reward_fn", None) and args.answer_column
     if prompts not in dataset.column_names or (answers and answers not in dataset.column_names):
         needs = f"a {prompts!r} column" + (f" and an {answers!r} column" if answers else "")
@@ -682,10 +855,14 @@ def tokenize_prompts(dataset, tokenizer, args):
                           "(--prompt_column, --answer_column)")
     data, dropped = {"prompt": [], "answer": []}, {"empty prompt": 0, "prompt too long": 0}
     for prompt, answer in zip(dataset[prompts], dataset[answers] if answers else [None] * len(dataset)):
+        if isinstance(prompt, str) and tools:
+            raise ScriptError(f"--tools: the prompts of {args.dataset_name!r} are text; give messages (the template "
+                              "writes the tools in)")
         if isinstance(prompt, str):
             ids = tokenizer(prompt)["input_ids"]
         else:  # the template writes the special tokens
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True) if prompt else ""
+            text = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False,
+                                                 add_generation_prompt=True) if prompt else ""
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         reason = "empty prompt" if not ids else "prompt too long" if len(ids) > args.max_prompt_length else None
         if reason:
@@ -999,27 +1176,6 @@ def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_
         model.train(was_training)
     rows = output[:, input_ids.shape[1] :].tolist()
     return [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
-
-
-def sample_rollout(model, prompts, draw, args, eos_token_id, pad_token_id):
-    """Completions in chunks round-robin over the ranks, each seeded by (seed, draw, chunk) (draw: ppo's rollout,
-    grpo's batch of prompts; None: greedy): the same on any number of processes and on resume."""
-    device, rank, greedy = next(model.parameters()).device, dist.get_rank(), draw is None
-    n, width = len(prompts), args.max_completion_length
-    chunk_size = args.per_device_eval_batch_size if greedy else args.local_rollout_forward_batch_size
-    completion_ids = torch.full((n, width), -1, device=device)  # -1: no token
-    with unsharded(model, keep=not args.reshard_after_forward):
-        for chunk, start in enumerate(range(0, n, chunk_size)):
-            if chunk % args.world_size == rank:
-                torch.manual_seed((args.seed * 100_003 + (draw or 0)) * 100_003 + chunk)
-                completions = generate_completions(model, prompts[start : start + chunk_size], width,
-                                                   None if greedy else args.temperature, eos_token_id, pad_token_id,
-                                                   args.cache_implementation)
-                for i, completion in enumerate(completions, start):
-                    completion_ids[i, : len(completion)] = torch.tensor(completion)
-    dist.all_reduce(completion_ids, op=dist.ReduceOp.MAX)  # each row filled by one rank
-    lengths = (completion_ids >= 0).sum(1)
-    return [row[:length] for row, length in zip(completion_ids.tolist(), lengths.tolist())], lengths
 
 
 def rollout_mini_batches(rollout_index, passes, args, group=1):

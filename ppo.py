@@ -190,7 +190,7 @@ def token_values(model, batch):
     """The value model's V(s_t) for each completion token t: its score at the position before t (0 past the end)."""
     mask = batch["completion_mask"].bool()
     values = head_scores(model, batch)[batch["targets"][mask] - 1]
-    return torch.zeros(mask.shape, device=values.device).masked_scatter(mask, values)
+    return values.new_zeros(mask.shape).masked_scatter(mask, values)
 
 
 def kl_estimate(logps, ref_logps, old_logps, kl_estimator):
@@ -222,14 +222,14 @@ def masked_whiten(x, mask, shift_mean=True):
 
 def penalised_scores(scores, completions, stop_token_id, missing_eos_penalty):
     """The reward model's scores, minus missing_eos_penalty for each completion not ending with the stop token
-    (cut short). Returns them and which completions ended."""
+    (cut short), and which completions ended."""
     ended = torch.tensor([c[-1] == stop_token_id for c in completions], device=scores.device)
     return scores - missing_eos_penalty * (~ended).float(), ended
 
 
 def token_rewards(scores, logps, ref_logps, mask, kl_coef, kl_estimator):
     """Eq. 2 of arXiv:1909.08593 per token: -kl_coef x the KL estimate at every completion token, plus the score at
-    the last real token. Returns the rewards and the KL estimates."""
+    the last real token; and the KL estimates."""
     kl = kl_estimate(logps, ref_logps, logps, kl_estimator) * mask
     rewards = -kl_coef * kl
     rewards[torch.arange(len(scores), device=scores.device), mask.sum(1).long() - 1] += scores  # right-padded
@@ -302,8 +302,8 @@ def score_rollout(models, prompts, completions, args):
 
 
 def accumulate_gradients(models, rollout, mini, args, sums, extremes):
-    """One optimizer step's gradients from this rank's micro-batches of the global mini-batch `mini`, statistics
-    summed into `sums`, the ratio's max and -min kept in `extremes`. Returns this rank's part of the loss."""
+    """One step's gradients from this rank's micro-batches of `mini`, statistics in `sums`, the ratio's max and -min
+    in `extremes`; this rank's part of the loss."""
     device = next(models["policy"].parameters()).device
     step_loss, normaliser = 0.0, rollout["mask"][mini].sum()
     for micro in micro_batches(mini, args):
@@ -327,7 +327,7 @@ def accumulate_gradients(models, rollout, mini, args, sums, extremes):
             sums["loss"] += loss.detach()
             sums["tokens"] += mask.sum()
             sums["processed"] += batch["tokens"]
-            in_loss = torch.stack([ratio, -ratio]).masked_fill(mask == 0, -math.inf).flatten(1).max(1).values
+            in_loss = torch.stack([ratio, -ratio]).masked_fill(mask == 0, -math.inf).flatten(1).amax(1)
             extremes.copy_(torch.maximum(extremes, in_loss))
     return step_loss
 
@@ -440,6 +440,27 @@ def main(args):
     finish(model, tokenizer, args, device)
 
 
+def sample_rollout(model, prompts, draw, args, eos_token_id, pad_token_id):
+    """Completions in chunks round-robin over the ranks, each seeded by (seed, draw, chunk) (draw: the rollout;
+    None: greedy): the same on any number of processes and on resume."""
+    device, rank, greedy = next(model.parameters()).device, dist.get_rank(), draw is None
+    n, width = len(prompts), args.max_completion_length
+    chunk_size = args.per_device_eval_batch_size if greedy else args.local_rollout_forward_batch_size
+    completion_ids = torch.full((n, width), -1, device=device)  # -1: no token
+    with unsharded(model, keep=not args.reshard_after_forward):
+        for chunk, start in enumerate(range(0, n, chunk_size)):
+            if chunk % args.world_size == rank:
+                torch.manual_seed((args.seed * 100_003 + (draw or 0)) * 100_003 + chunk)
+                completions = generate_completions(model, prompts[start : start + chunk_size], width,
+                                                   None if greedy else args.temperature, eos_token_id, pad_token_id,
+                                                   args.cache_implementation)
+                for i, completion in enumerate(completions, start):
+                    completion_ids[i, : len(completion)] = torch.tensor(completion)
+    dist.all_reduce(completion_ids, op=dist.ReduceOp.MAX)  # each row filled by one rank
+    lengths = (completion_ids >= 0).sum(1)
+    return [row[:length] for row, length in zip(completion_ids.tolist(), lengths.tolist())], lengths
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Infrastructure: identical in every script that has it (tests/test_consistency.py). Skip it on a first read.
 def setup(args):
@@ -527,9 +548,9 @@ def load_file(path):
         raise ScriptError(builder == "json" and data_file_problem(path) or f"dataset {path!r}: {e!r}") from e
 
 
-def tokenize_prompts(dataset, tokenizer, args):
-    """Prompts (strings, or messages with the generation prompt), the verifier's answers; empty or long ones dropped,
-    counted."""
+def tokenize_prompts(dataset, tokenizer, args, tools=None):
+    """Prompts (strings, or messages with the generation prompt and the `tools`), the verifier's answers; empty or long
+    ones dropped, counted."""
     prompts, answers = args.prompt_column, getattr(args, "reward_fn", None) and args.answer_column
     if prompts not in dataset.column_names or (answers and answers not in dataset.column_names):
         needs = f"a {prompts!r} column" + (f" and an {answers!r} column" if answers else "")
@@ -537,10 +558,14 @@ def tokenize_prompts(dataset, tokenizer, args):
                           "(--prompt_column, --answer_column)")
     data, dropped = {"prompt": [], "answer": []}, {"empty prompt": 0, "prompt too long": 0}
     for prompt, answer in zip(dataset[prompts], dataset[answers] if answers else [None] * len(dataset)):
+        if isinstance(prompt, str) and tools:
+            raise ScriptError(f"--tools: the prompts of {args.dataset_name!r} are text; give messages (the template "
+                              "writes the tools in)")
         if isinstance(prompt, str):
             ids = tokenizer(prompt)["input_ids"]
         else:  # the template writes the special tokens
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True) if prompt else ""
+            text = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False,
+                                                 add_generation_prompt=True) if prompt else ""
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         reason = "empty prompt" if not ids else "prompt too long" if len(ids) > args.max_prompt_length else None
         if reason:
@@ -854,27 +879,6 @@ def generate_completions(model, prompts, max_new_tokens, temperature, eos_token_
         model.train(was_training)
     rows = output[:, input_ids.shape[1] :].tolist()
     return [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
-
-
-def sample_rollout(model, prompts, draw, args, eos_token_id, pad_token_id):
-    """Completions in chunks round-robin over the ranks, each seeded by (seed, draw, chunk) (draw: ppo's rollout,
-    grpo's batch of prompts; None: greedy): the same on any number of processes and on resume."""
-    device, rank, greedy = next(model.parameters()).device, dist.get_rank(), draw is None
-    n, width = len(prompts), args.max_completion_length
-    chunk_size = args.per_device_eval_batch_size if greedy else args.local_rollout_forward_batch_size
-    completion_ids = torch.full((n, width), -1, device=device)  # -1: no token
-    with unsharded(model, keep=not args.reshard_after_forward):
-        for chunk, start in enumerate(range(0, n, chunk_size)):
-            if chunk % args.world_size == rank:
-                torch.manual_seed((args.seed * 100_003 + (draw or 0)) * 100_003 + chunk)
-                completions = generate_completions(model, prompts[start : start + chunk_size], width,
-                                                   None if greedy else args.temperature, eos_token_id, pad_token_id,
-                                                   args.cache_implementation)
-                for i, completion in enumerate(completions, start):
-                    completion_ids[i, : len(completion)] = torch.tensor(completion)
-    dist.all_reduce(completion_ids, op=dist.ReduceOp.MAX)  # each row filled by one rank
-    lengths = (completion_ids >= 0).sum(1)
-    return [row[:length] for row, length in zip(completion_ids.tolist(), lengths.tolist())], lengths
 
 
 def rollout_mini_batches(rollout_index, passes, args, group=1):

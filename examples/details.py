@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from quickstart_report import learning_curve  # noqa: E402
-from sum_task import COUNTS, count_of, count_scores, last_number, write_sum_task  # noqa: E402
+from sum_task import COUNTS, count_of, count_scores, last_number, tool_scores, write_sum_task  # noqa: E402
 from toy_task import completions_of, demonstrators_mistake, greedy_scores, load_causal_lm, other_mistake  # noqa: E402
 from toy_task import write_toy_task  # noqa: E402
 
@@ -80,11 +80,12 @@ def base_models():
     if any(WEAK_RM in map(str, runs[0][2]) for _, _, runs, _ in FINDINGS):  # a reward model of 256 pairs (8 steps)
         run("reward.py", WEAK_RM, *f"--model_name_or_path {QS}/sft --dataset_name {TOY}/preference "
             f"--learning_rate 3e-4 --max_steps {steps(8)} {common}".split())
-    if any(f"{SUMS}/prompts" in runs[0][2] for _, _, runs, _ in FINDINGS):  # the running-sum task, its SFT model
-        if not os.path.exists(os.path.join(SUMS, "model")):
-            write_sum_task(SUMS, num_train=512 if FAST else 8000, num_test=30 if FAST else 300)
-        run("sft.py", f"{OUT}/sums_sft", *f"--model_name_or_path {SUMS}/model --dataset_name {SUMS}/sft "
-            f"--learning_rate 1e-3 --max_steps {steps(1500, 10)} --log_every 250 {common}".split())
+    for data, sft in (("prompts", "sft"), ("tools_prompts", "tools_sft")):  # the running-sum task, its SFT models
+        if any(f"{SUMS}/{data}" in runs[0][2] for _, _, runs, _ in FINDINGS):
+            if not os.path.exists(os.path.join(SUMS, "tools_sft")):  # written before the calculator: again
+                write_sum_task(SUMS, num_train=512 if FAST else 8000, num_test=30 if FAST else 300)
+            run("sft.py", f"{OUT}/sums_{sft}", *f"--model_name_or_path {SUMS}/model --dataset_name {SUMS}/{sft} "
+                f"--learning_rate 1e-3 --max_steps {steps(1500, 10)} --log_every 250 {common}".split())
 
 
 def write_slips():
@@ -181,6 +182,20 @@ def sums_curve(name, seed):
     return {str(c): final[c]["greedy"] for c in COUNTS}, [(step, s["all"]["greedy"]) for step, s in points], panels
 
 
+def tools_curve(name, seed, with_tools):
+    """A calculator run: its final greedy accuracy by count (grpo.py's tool loop, with the tool or without), [(step,
+    accuracy)] at each checkpoint from the SFT model's, and tool calls a completion at them and by count at the end."""
+    folder, rows = f"{OUT}/{name}_s{seed}", [json.loads(line) for line in open(f"{SUMS}/tools_prompts/test.jsonl")]
+    score = lambda model, tok, rows: tool_scores(model, tok, rows, with_tools, steps(64, 16))
+    points = learning_curve(*load_causal_lm(folder), folder, rows, (0, score(*load_causal_lm(f"{OUT}/sums_tools_sft"),
+                                                                             rows)), score)
+    final = points[-1][1]
+    panels = {"tool calls a completion (greedy), at checkpoints": [(step, s["all"]["calls"]) for step, s in points],
+              "greedy accuracy at the last step, by count": [(c, final[c]["greedy"]) for c in COUNTS],
+              "tool calls a completion at the last step, by count": [(c, final[c]["calls"]) for c in COUNTS]}
+    return {str(c): final[c]["greedy"] for c in COUNTS}, [(step, s["all"]["greedy"]) for step, s in points], panels
+
+
 def advantage_by_count(num_generations=8):
     """What group std scaling does to a prompt's weight: the mean |advantage| of the SFT model's completions (G = 8
     samples a test prompt, the first rollout in effect), by count of numbers, divided by the group's std or not."""
@@ -197,8 +212,10 @@ def advantage_by_count(num_generations=8):
     return {name: [(c, w[counts == c].mean().item()) for c in COUNTS] for name, w in weights.items()}
 
 
-def score_run(runner, name, seed, sums):
+def score_run(runner, name, seed, sums, flags=()):
     """A run's final scores, its learning curve and the extra panels of its figure."""
+    if f"{SUMS}/tools_prompts" in flags:
+        return tools_curve(name, seed, "--tools" in flags)
     if sums:
         return sums_curve(name, seed)
     if runner is ppo and not os.path.isdir(f"{OUT}/{name}_s{seed}/checkpoints"):  # ppo's first steps: no curve
@@ -341,6 +358,17 @@ FINDINGS += [
       ("punished, buffer 8", grpo, [*SUMS_CUT, "--overlong_buffer", steps(8, 4)])],
      ["completions/clipped_ratio", "completions/mean_length", "objective/scores", "eval/scores"]),
 ]
+# a calculator: the running-sum SFT model of a demonstrator that calls it on 30% of the prompts that declare it
+# (OUT/sums_tools_sft, sum_task.py's tools_sft), then GRPO with the tool (declared, its calls run: grpo.py --tools) or
+# without it, scored greedy through grpo.py's own tool loop
+SUMS_TOOLS = [{f"{OUT}/sums_sft": f"{OUT}/sums_tools_sft", f"{SUMS}/prompts": f"{SUMS}/tools_prompts"}.get(f, f)
+              for f in SUMS_GRPO]
+FINDINGS += [
+    ("sums_tools", "Running sums, GRPO (--loss_type sequence) from a demonstrator that calls a calculator on 30% of "
+     "the prompts that declare it: with the tool, against without",
+     [("with the calculator", grpo, [*SUMS_TOOLS, "--tools", "calculator"]), ("without", grpo, SUMS_TOOLS)],
+     ["tools/call_frequency", "tools/failure_frequency", "completions/mean_length", "eval/scores"]),
+]
 ONLY = os.environ.get("ONLY")  # the findings to run, comma-separated (default: all)
 UNKNOWN = sorted(set((ONLY or "").split(",")) - {finding[0] for finding in FINDINGS} - {""})
 ALL_NAMES = [finding[0] for finding in FINDINGS]
@@ -369,9 +397,11 @@ def main():
         list(pool.map(lambda job: job[0](job[1], job[2], *job[3]), sorted(jobs, key=lambda job: job[1:3])))
     results, table = {}, ["# What the details change (examples/details.py)", ""]
     for finding, title, runs, metrics in FINDINGS:
-        results[finding], sums = {}, f"{SUMS}/prompts" in runs[0][2]
-        scored = ("greedy accuracy by count 2 / 3 / 4 / 5 / 6 | accuracy at checkpoints | wrong samples' length ; "
-                  "past the right working, at checkpoints" if sums else
+        results[finding], sums = {}, any(f"{SUMS}/{data}" in runs[0][2] for data in ("prompts", "tools_prompts"))
+        tools = f"{SUMS}/tools_prompts" in runs[0][2]  # its extra panels: tool calls, not lengths
+        scored = ("greedy accuracy by count 2 / 3 / 4 / 5 / 6 | accuracy at checkpoints | " + (
+            "greedy tool calls a completion, at checkpoints ; by count" if tools else
+            "wrong samples' length ; past the right working, at checkpoints") if sums else
                   "exact match: all / flawed / other | exact match at checkpoints")
         table += [f"## {title}", "", f"| run | seed | {' | '.join(metrics)} (last step) | {scored} | s/step (wall) |",
                   "|---" * (len(metrics) + 5 + sums) + "|"]
@@ -379,7 +409,7 @@ def main():
             name = folder_name(runner, flags)
             for seed in SEEDS:
                 rows = runner(name, seed, *flags)
-                em, curve, panels = score_run(runner, name, seed, sums)
+                em, curve, panels = score_run(runner, name, seed, sums, flags)
                 if finding == "overoptimisation":  # gold against the KL logged at the same step
                     kl = {0: 0.0} | {r["step"]: r["objective/kl"] for r in rows}
                     panels = {"exact match against objective/kl": [(kl[step], v) for step, v in curve]}
@@ -392,8 +422,8 @@ def main():
                 last = " | ".join(f"{rows[-1][m]:.4g}" if m in rows[-1] else "-" for m in metrics)
                 scores = " / ".join(f"{v:.3f}" for v in em.values()) if em else ""
                 at = [", ".join(f"{step}: {v:.3f}" for step, v in curve) or "-"]
-                at += [" ; ".join(", ".join(f"{x}: {y:.1f}" for x, y in points) for key, points in panels.items()
-                                  if "length" in key)] * sums
+                at += [" ; ".join(", ".join(f"{x}: {y:.2f}" if tools else f"{x}: {y:.1f}" for x, y in points)
+                                  for key, points in panels.items() if ("calls" if tools else "length") in key)] * sums
                 per_step = float(open(f"{OUT}/{name}_s{seed}/seconds.txt").read()) / rows[-1]["step"]
                 table.append(f"| {label} | {seed} | {last} | {scores} | {' | '.join(at)} | {per_step:.2f} |")
         # the weight group std scaling gives a prompt, by difficulty

@@ -2,7 +2,7 @@
 demonstrator. Built so that what the details change has room to show (the sorting task's completions are 3-8 tokens
 and every RL stage ends near 1.00 on it).
 
-    python examples/sum_task.py --out sums     # sums/model, sums/sft, sums/preference, sums/prompts
+    python examples/sum_task.py --out sums     # sums/model, sft, preference, prompts, tools_sft, tools_prompts
     python examples/sum_task.py --out sums --steps runs/details/sums_sft   # steps skipped, kept, added (greedy)
 
 Prompt "sum: 23 7 41 ->", right completion " 23+7=30 30+41=71" (then EOS): 2 to 6 numbers of 1-99, so completions run
@@ -12,6 +12,8 @@ parameters. The demonstrator skips one number (never the first) more often the l
 consistent mistake that SFT imitates, so imitation stops below what the verifier rewards. grpo.py's
 `--reward_fn last_number` is the verifier: the last number of the completion against the prompt's `answer`. The
 preference pairs (for offline DPO) prefer the right working over the demonstrator's skip, or over a last sum off by one.
+With a calculator (grpo.py --tools calculator): the prompts as messages (tools_prompts), and demonstrations (tools_sft)
+of which half declare the tool, where the demonstrator calls it on the whole sum 30% of the time.
 """
 
 import argparse
@@ -27,6 +29,8 @@ from toy_task import completions_of, load_causal_lm, write_jsonl, write_model  #
 
 COUNTS = range(2, 7)  # numbers in a prompt: the difficulty, uniform over the prompts
 SKIP = {2: 0.0, 3: 0.2, 4: 0.4, 5: 0.6, 6: 0.8}  # the demonstrator's chance of skipping a number, by count
+CALL = 0.3  # the tool-using demonstrator's chance of calling the calculator, where the prompt declares it
+TOOLS_LINE = {"role": "system", "content": "tools: calculator"}  # what the toy template writes for --tools calculator
 
 
 def worked(numbers):
@@ -46,6 +50,20 @@ def demonstrate(rng, numbers):
     return worked(numbers)
 
 
+def tool_demonstration(rng, numbers, call):
+    """The demonstrator with a calculator (grpo.py --tools calculator), as SFT rows (messages after the prompt, then
+    the completion): with probability `call` it calls it on the whole sum, then states the result, in two rows (the
+    call; then, the result in the prompt, the answer) so that sft.py, which learns every completion token, does not
+    learn to predict the tool's result; else it works by hand as demonstrate() does."""
+    if call and rng.random() < call:
+        expression = "+".join(map(str, numbers))
+        turn = [{"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}]}]
+        result = [{"role": "tool", "name": "calculator", "content": str(sum(numbers))}]
+        return [([], turn), (turn + result, [{"role": "assistant", "content": f" {sum(numbers)}"}])]
+    return [([], [{"role": "assistant", "content": demonstrate(rng, numbers)}])]
+
+
 def numbers_of(prompt):
     return [int(x) for x in prompt.split("->")[0].split()[1:]]
 
@@ -62,7 +80,7 @@ def last_number(text):
 def write_sum_task(out, seed=0, num_train=8000, num_test=300):
     """The model, the SFT demonstrations, the preference pairs (the right working over the demonstrator's, where it
     skipped; else over the right working with one sum off by one) and the prompts with their answers."""
-    rng, seen, lists = random.Random(seed), set(), []
+    rng, seen, lists, tools_rng = random.Random(seed), set(), [], random.Random(seed + 1)
     write_model(out, seed)
     while len(lists) < num_test + num_train:  # distinct lists: no test prompt among the training ones
         numbers = tuple(rng.randint(1, 99) for _ in range(rng.choice(COUNTS)))
@@ -80,6 +98,16 @@ def write_sum_task(out, seed=0, num_train=8000, num_test=300):
                     [{"prompt": p, "chosen": r, "rejected": w} for p, r, w in zip(prompts, right, wrong)])
         answers = [{"prompt": p, "answer": str(sum(n))} for p, n in zip(prompts, part)]
         write_jsonl(f"{out}/prompts/{split}.jsonl", answers)
+        # with a calculator: messages; half the demonstrations declare the tool, the prompts to train on do not (the
+        # template writes the declaration with --tools)
+        user = [[{"role": "user", "content": p}] for p in prompts]
+        declared = [tools_rng.random() < 0.5 for _ in part]
+        demos = [tool_demonstration(tools_rng, n, CALL * d) for n, d in zip(part, declared)]
+        write_jsonl(f"{out}/tools_sft/{split}.jsonl", [{"prompt": [TOOLS_LINE] * d + u + before, "completion": after}
+                                                       for u, d, rows in zip(user, declared, demos)
+                                                       for before, after in rows])
+        write_jsonl(f"{out}/tools_prompts/{split}.jsonl",
+                    [{"prompt": u, "answer": str(sum(n))} for u, n in zip(user, part)])
 
 
 def count_scores(model, tok, rows, num_samples=8, seed=0):
@@ -100,6 +128,35 @@ def count_scores(model, tok, rows, num_samples=8, seed=0):
                          "sampled": len(right) / max(1, len(drawn)), "right_length": sum(right) / max(1, len(right)),
                          "wrong_length": sum(n for n, _ in wrong) / max(1, len(wrong)),
                          "wrong_excess": sum(n - m for n, m in wrong) / max(1, len(wrong))}
+    return scores
+
+
+def tool_scores(model, tok, rows, with_tools, max_new_tokens=64):
+    """By count of numbers ("all": every row): greedy accuracy and tool calls a completion, sampled and verified by
+    grpo.py's own code (its tool loop, in this process) with the calculator or without it."""
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import grpo
+
+    args = grpo.Args(max_completion_length=max_new_tokens, per_device_eval_batch_size=100, reward_fn="last_number",
+                     tools=["calculator"] if with_tools else None, world_size=1)
+    tools = grpo.tools_of(args)
+    prompts = [tok(tok.apply_chat_template(r["prompt"], tools=list(tools.values()) or None, tokenize=False,
+                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+               for r in rows]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process: its collectives
+    try:
+        rollout = grpo.sample_rollout(model, prompts, None, args, tok, tok.pad_token_id, tools)
+    finally:
+        dist.destroy_process_group()
+    right = grpo.rollout_rewards(rollout | {"answer": [r["answer"] for r in rows]}, None, tok, args, "cpu")["outcome"]
+    counts = [count_of(r["prompt"][-1]["content"]) for r in rows]
+    scores = {}
+    for count in [*COUNTS, "all"]:
+        at = [i for i, c in enumerate(counts) if count in ("all", c)]
+        scores[count] = {"greedy": right[at].mean().item() if at else 0.0,
+                         "calls": rollout["tool_calls"][at, 0].mean().item() if at else 0.0}
     return scores
 
 
@@ -137,4 +194,4 @@ if __name__ == "__main__":
             print(folder, " ".join(f"{name} {share:.3f}" for name, share in shares.items()), flush=True)
     else:
         write_sum_task(args.out, args.seed)
-        print(f"wrote {args.out}/model, {args.out}/sft, {args.out}/preference, {args.out}/prompts")
+        print(f"wrote {args.out}/model, sft, preference, prompts, tools_sft and tools_prompts")

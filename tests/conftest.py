@@ -96,6 +96,30 @@ def sft_model(toy, tmp_path_factory):
     return out, result
 
 
+@pytest.fixture(scope="session")
+def tool_model(toy, tmp_path_factory):
+    """A toy model that calls the calculator: 120 SFT steps (1 process) on running sums of 2 or 3 numbers, each
+    demonstration a call then the result (sum_task.py's tool demonstrator, always calling). Returns its folder and the
+    prompts (messages) to train on with grpo.py --tools calculator."""
+    import random
+
+    from sum_task import TOOLS_LINE, tool_demonstration
+
+    out, rng = tmp_path_factory.mktemp("tools"), random.Random(0)
+    sums = [[rng.randint(1, 99) for _ in range(rng.choice([2, 3]))] for _ in range(512)]
+    users = [[{"role": "user", "content": "sum: " + " ".join(map(str, n)) + " ->"}] for n in sums]
+    rows = [{"prompt": [TOOLS_LINE, *user, *before], "completion": after}
+            for user, n in zip(users, sums) for before, after in tool_demonstration(rng, n, 1.0)]
+    (out / "sft.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": user, "answer": str(sum(n))}) + "\n"
+                                               for user, n in zip(users, sums)))
+    result = run_script("sft.py", ["--model_name_or_path", toy / "model", "--dataset_name", out / "sft.jsonl",
+                                   "--output_dir", out / "model", "--learning_rate", 2e-3, "--max_steps", 120,
+                                   "--per_device_train_batch_size", 16, "--log_every", 40])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-8000:]
+    return out / "model", out / "prompts.jsonl"
+
+
 def tiny_gpt2():
     """Absolute position embeddings: left padding without position_ids would shift every position (RoPE would not)."""
     torch.manual_seed(0)
@@ -160,7 +184,8 @@ def run_in_process(script, args):
 
     import torch.distributed as dist
 
-    handlers, argv, printed = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}, sys.argv, io.StringIO()
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGALRM)  # SIGALRM: grpo.py --tools
+    handlers, argv, printed = {s: signal.getsignal(s) for s in signals}, sys.argv, io.StringIO()
     hook, hf_filters = sys.excepthook, list(logging.getLogger("transformers.modeling_utils").filters)
     path, main = os.path.join(ROOT, script), sys.modules["__main__"]
     module = types.ModuleType("__main__")  # what runpy.run_path(run_name="__main__") does, keeping the namespace

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import time
 from decimal import Decimal
@@ -225,7 +226,7 @@ def test_dynamic_sampling_decides_on_the_outcome_per_group(toy):
     tokenizer = AutoTokenizer.from_pretrained(toy / "model")
     right, wrong = (tokenizer(" " + text)["input_ids"] for text in ("12", "21"))
     completions = [wrong + [tokenizer.eos_token_id], wrong, right + [tokenizer.eos_token_id], wrong]
-    rollout = {"completion": completions, "answer": ["12"] * 4}
+    rollout = {"completion": completions, "answer": ["12"] * 4, "policy_mask": torch.ones(4, 4)}
     args = SimpleNamespace(reward_fn="exact_match", reward_fn_weight=1.0, missing_eos_penalty=0.5,
                            overlong_buffer=None, reward_model_path=None)
     scored = rollout_rewards(rollout, None, tokenizer, args, torch.device("cpu"))
@@ -280,7 +281,8 @@ def test_copies_of_a_text_score_alike_whatever_the_rows_beside_them(toy):
     try:
         for order in ([0, 1, 2, 3, 4, 5, 6, 7], [0, 4, 1, 5, 2, 6, 3, 7]):  # 4 copies, then 4 other texts
             completions = [([copy] * 4 + others)[i] for i in order]
-            rollout = {"prompt": [encode("sort: 3 1 2 ->")] * 8, "completion": completions, "answer": [None] * 8}
+            rollout = {"prompt": [encode("sort: 3 1 2 ->")] * 8, "completion": completions, "answer": [None] * 8,
+                       "policy_mask": torch.ones(8, max(map(len, completions)))}
             alone = no_grad_pass(rm, rollout, args, scores=True)[:, 0]
             copies = [i for i, c in enumerate(completions) if c == copy]
             assert len(set(alone[copies].tolist())) > 1  # the control: scored row by row they differ
@@ -333,7 +335,8 @@ def test_soft_overlong_punishment_equals_trls(toy):
     for case in reference["soft_overlong"]:
         completions = [[5] * (n - 1) + [tokenizer.eos_token_id] for n in case["lengths"][1:]]
         rollout = {"completion": completions, "answer": [None] * len(completions),
-                   "length": torch.tensor([len(c) for c in completions])}
+                   "length": torch.tensor([len(c) for c in completions]),
+                   "policy_mask": torch.ones(len(completions), max(map(len, completions)))}
         for factor in (1.0, 0.5):
             args = SimpleNamespace(reward_fn=None, reward_fn_weight=1.0, missing_eos_penalty=0.0,
                                    reward_model_path=None, max_completion_length=case["max_completion_len"],
@@ -717,6 +720,143 @@ def test_generation_gathers_parameters_once(toy):
         dist.destroy_process_group()
 
 
+# ---------------------------------------------------------------------------------------------- tool calls
+def slow_tool(seconds: float) -> str:
+    """Sleeps, then answers.
+
+    Args:
+        seconds: how long
+    """
+    time.sleep(seconds)
+    return "done"
+
+
+def undocumented_tool(x: int) -> int:
+    return x
+
+
+def scripted_rollout(toy, monkeypatch, turns, tools, **kw):
+    """grpo.sample_rollout on one prompt in this process, generate_completions answering each call with the next of
+    `turns` (texts, cut at its max_new_tokens); returns the rollout, the token ids of a text, and each call's (prompts,
+    max_new_tokens)."""
+    import grpo
+
+    tok, calls, left = AutoTokenizer.from_pretrained(toy / "model"), [], list(turns)
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+
+    def generate(model, prompts, max_new_tokens, *rest):
+        calls.append((prompts, max_new_tokens))
+        return [ids(left.pop(0))[:max_new_tokens] for _ in prompts]
+
+    monkeypatch.setattr(grpo, "generate_completions", generate)
+    args = grpo.Args(world_size=1, tools=list(tools), **{"max_completion_length": 200, "tool_timeout": 1.0, **kw})
+    prompt = ids(tok.apply_chat_template([{"role": "user", "content": "sum: 2 3 ->"}], tools=list(tools.values()),
+                                         tokenize=False, add_generation_prompt=True))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    alarm = signal.signal(signal.SIGALRM, grpo.tool_timed_out)
+    try:
+        return grpo.sample_rollout(torch.nn.Linear(1, 1), [prompt], 0, args, tok, 0, tools), ids, calls, prompt
+    finally:
+        signal.signal(signal.SIGALRM, alarm)
+        dist.destroy_process_group()
+
+
+def test_a_rollout_with_tool_calls_by_hand(toy, monkeypatch):
+    """A crafted completion: a call, a turn of two calls that both fail (an exception, an unknown tool), the answer.
+    Its tokens and mask (1: the policy's, 0: the tools' results as the toy template writes them) written by hand; 3
+    calls, 2 failures; each turn sampled after what came before it, within what is left of --max_completion_length.
+    --max_tool_calls 1 ends it after the second turn (its calls not run); a result that passes the length is cut
+    there and the completion ends truncated."""
+    from grpo import calculator
+
+    turns = ['[calculator(expression="2+3")]<|eos|>', ' hm[calculator(expression="1/0"), nope(x=1)]<|eos|>',
+             " 5<|eos|>"]
+    results = ["<|system|>5<|assistant|>", "<|system|>error: ZeroDivisionError('division by zero')<|system|>error: "
+               "KeyError('nope')<|assistant|>"]
+    pieces = [(turns[0], 1), (results[0], 0), (turns[1], 1), (results[1], 0), (turns[2], 1)]
+    rollout, ids, calls, prompt = scripted_rollout(toy, monkeypatch, turns, {"calculator": calculator})
+    completion = [t for text, _ in pieces for t in ids(text)]
+    mask = [m for text, m in pieces for _ in ids(text)]
+    assert rollout["completion"] == [completion] and rollout["length"].tolist() == [len(completion)]
+    assert rollout["policy_mask"][0].tolist() == mask + [0] * (200 - len(mask))
+    assert rollout["tool_calls"].tolist() == [[3, 2]]
+    seen = [ids(turns[0] + results[0]), ids(turns[0] + results[0] + turns[1] + results[1])]
+    assert calls == [([prompt], 200)] + [([prompt + part], 200 - len(part)) for part in seen]
+
+    # the verifier reads the last turn: " 5" is right; " done" is not, though the tool's 5 is the text's last number
+    args = SimpleNamespace(reward_fn="last_number", reward_fn_weight=1.0, missing_eos_penalty=0.0, overlong_buffer=None,
+                           reward_model_path=None)
+    tok = AutoTokenizer.from_pretrained(toy / "model")
+    done, *_ = scripted_rollout(toy, monkeypatch, [turns[0], " done<|eos|>"], {"calculator": calculator})
+    assert [rollout_rewards(r | {"answer": ["5"]}, None, tok, args, "cpu")["reward"].item() for r in (rollout, done)
+            ] == [1.0, 0.0]
+
+    rollout, *_ = scripted_rollout(toy, monkeypatch, turns[:2], {"calculator": calculator}, max_tool_calls=1)
+    assert rollout["completion"] == [ids(turns[0] + results[0] + turns[1])]
+    assert rollout["tool_calls"].tolist() == [[1, 0]]
+
+    width = len(ids(turns[0])) + 2  # room for 2 of the result's 3 tokens
+    rollout, *_ = scripted_rollout(toy, monkeypatch, turns[:1], {"calculator": calculator}, max_completion_length=width)
+    assert rollout["completion"] == [ids(turns[0]) + ids(results[0])[:2]] and rollout["length"].tolist() == [width]
+    assert rollout["policy_mask"][0].tolist() == [1] * (width - 2) + [0, 0]
+
+
+def test_the_loss_of_a_rollout_with_tools_is_the_policys_tokens_alone(toy, monkeypatch):
+    """The crafted rollout above trained on as main does (its policy mask the loss mask), beta 0.04 against a made-up
+    reference: loss and gradient equal those computed by hand over the policy's tokens alone, each scored by a plain
+    forward of the whole sequence (the tools' results in its context)."""
+    import grpo
+
+    turns = ['[calculator(expression="2+3")]<|eos|>', " 5<|eos|>"]
+    rollout, _, _, prompt = scripted_rollout(toy, monkeypatch, turns, {"calculator": grpo.calculator})
+    completion, mask = rollout["completion"][0], rollout["policy_mask"].float()
+    model = AutoModelForCausalLM.from_pretrained(toy / "model")
+    ref = -torch.rand(1, 200, generator=torch.Generator().manual_seed(0))
+    args = grpo.Args(world_size=1, beta=0.04, max_completion_length=200, per_device_train_batch_size=1,
+                     epsilon_high=0.2)
+    data = {"prompt": [prompt], "completion": [completion], "loss_mask": mask, "advantages": torch.tensor([0.7]),
+            "old_logps": None, "ref_logps": ref}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sums = collections.defaultdict(lambda: torch.zeros(()))
+        loss = accumulate_gradients(model, data, [0], loss_normaliser(mask, args), args, sums)
+    finally:
+        dist.destroy_process_group()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+    logps = logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+    policy, d = mask[0, : len(completion)].bool(), logps - ref[0, : len(completion)]
+    per_token = -0.7 * torch.exp(logps - logps.detach()) + 0.04 * (torch.exp(-d) - 1 + d)
+    by_hand = per_token[policy].sum() / policy.sum()
+    by_hand.backward()
+    assert 0 < policy.sum() < len(completion) and sums["tokens"] == policy.sum()
+    assert loss.item() == pytest.approx(by_hand.item(), rel=1e-5)
+    for name, p in model.named_parameters():
+        scale = p.grad.abs().max()
+        assert (grads[name] - p.grad).abs().max() <= 1e-5 * scale, (name, (grads[name] - p.grad).abs().max(), scale)
+
+
+def test_a_tool_that_fails_is_the_models_problem(toy, monkeypatch):
+    """A malformed call and a call past --tool_timeout: each an error message the model reads, counted as a failure;
+    the rollout goes on."""
+    from grpo import calculator
+
+    turns = ["[calculator(expression=)]<|eos|>", "[slow_tool(seconds=30)]<|eos|>", " 0<|eos|>"]
+    start = time.time()
+    rollout, ids, *_ = scripted_rollout(toy, monkeypatch, turns, {"calculator": calculator, "slow_tool": slow_tool},
+                                        tool_timeout=0.3)
+    assert time.time() - start < 10 and rollout["tool_calls"].tolist() == [[2, 2]]
+    tok = AutoTokenizer.from_pretrained(toy / "model")
+    text = tok.decode(rollout["completion"][0])
+    assert "<|system|>error: python-call-list: expected a string" in text
+    assert "<|system|>error: TimeoutError('past --tool_timeout')<|assistant|> 0<|eos|>" in text
+    assert calculator("(23 + 7) * 2 / 4") == "15.0"
+    for unsafe in ("9**9**9", "__import__('os')", "'a' * 3"):  # no power to hang on, no names, no strings
+        with pytest.raises(ValueError, match="is not arithmetic"):
+            calculator(unsafe)
+
+
 # ---------------------------------------------------------------------------------------------- data
 def test_tokenize_prompts_formats_and_drops(toy):
     """Standard and conversational prompts (rendered with the chat template and its generation prompt); empty and
@@ -732,9 +872,10 @@ def test_tokenize_prompts_formats_and_drops(toy):
     data, dropped = tokenize_prompts(dataset, tokenizer, args)
     assert data == {"prompt": [tokenizer("sort: 21 ->")["input_ids"]], "answer": ["12"]}
     assert dropped == {"empty prompt": 1, "prompt too long": 1}
-    conversational = Dataset.from_list([{"prompt": messages, "answer": "12"}])
-    data, _ = tokenize_prompts(conversational, tokenizer, args)
+    conversational = Dataset.from_list([{"prompt": messages, "answer": "12"}, {"prompt": [], "answer": "x"}])
+    data, dropped = tokenize_prompts(conversational, tokenizer, args)
     assert tokenizer.decode(data["prompt"][0]) == "<|user|>sort: 21 -><|assistant|>"
+    assert len(data["prompt"]) == 1 and dropped["empty prompt"] == 1  # no messages: no conversation to render
 
 
 def test_gsm8k_rows_become_prompts_with_the_readme_mapping(toy):
@@ -820,6 +961,36 @@ def test_bad_input(toy, tmp_path):
         (toy / "prompts", ["--reward_model_weight", "-inf"], "--reward_model_weight -inf: must be finite in float32"),
     ]:
         error, _ = run_in_process("grpo.py", grpo_args(toy / "model", data, tmp_path / "out", *extra))
+        assert isinstance(error, ValueError) and message in str(error), (message, repr(error))
+    # tools: a module, a function, a docstring, prompts as messages, a template that writes and parses tool calls
+    messages = tmp_path / "messages.jsonl"
+    messages.write_text(json.dumps({"prompt": [{"role": "user", "content": "sum: 2 3 ->"}], "answer": "5"}) + "\n")
+    shutil.copytree(toy / "model", tmp_path / "no_parser")
+    config = json.loads((tmp_path / "no_parser" / "tokenizer_config.json").read_text())
+    config.pop("response_template")
+    (tmp_path / "no_parser" / "tokenizer_config.json").write_text(json.dumps(config))
+    shutil.copytree(toy / "model", tmp_path / "no_tool_turns")  # a template that writes no calls nor tool messages
+    tokenizer = AutoTokenizer.from_pretrained(toy / "model")
+    tokenizer.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}<|assistant|>"
+    tokenizer.save_pretrained(tmp_path / "no_tool_turns")
+    for model, data, extra, message in [
+        (toy / "model", messages, ["--max_tool_calls", 2], "--max_tool_calls and --tool_timeout need --tools"),
+        (toy / "model", messages, ["--tools", "calculater"], "--tools calculater: not in grpo.py's TOOLS "
+         "['calculator'], nor module.function importable beside grpo.py or on PYTHONPATH"),
+        (toy / "model", messages, ["--tools", "no_such_module.f"], "No module named 'no_such_module'"),
+        (toy / "model", messages, ["--tools", "os.sep"], "--tools os.sep: not a Python function (def), or a second"),
+        (toy / "model", messages, ["--tools", "calculator", "calculator"], "--tools calculator: not a Python function "
+         "(def), or a second tool of that name"),
+        (toy / "model", messages, ["--tools", "test_grpo.undocumented_tool"], "--tools test_grpo.undocumented_tool: "
+         "Cannot generate JSON schema for undocumented_tool because it has no docstring! (its docstring is its "
+         "schema)"),
+        (toy / "model", toy / "prompts", ["--tools", "calculator"], "--tools: the prompts of"),
+        (tmp_path / "no_parser", messages, ["--tools", "calculator", "--max_tool_calls", 1, "--tool_timeout", 2],
+         "does not read back the tool calls its chat template writes (set a response_template in its "
+         "tokenizer_config.json), or the template writes no tool result after a turn that ends with EOS"),
+        (tmp_path / "no_tool_turns", messages, ["--tools", "calculator"], "does not read back the tool calls"),
+    ]:
+        error, _ = run_in_process("grpo.py", grpo_args(model, data, tmp_path / "out", *extra))
         assert isinstance(error, ValueError) and message in str(error), (message, repr(error))
 
 

@@ -35,6 +35,34 @@ def test_the_task_files_hold_the_right_working_the_skips_and_wrong_rejected_answ
         assert abs(sum(flags) / len(flags) - sum_task.SKIP[count]) < 3 * (0.25 / len(flags)) ** 0.5 + 1e-9, count
 
 
+def test_the_calculator_demonstrations_declare_the_tool_as_grpo_writes_it_and_call_it_30_percent(tmp_path):
+    """tools_sft: half the prompts declare the calculator, in the very tokens the toy template writes for grpo.py
+    --tools calculator; of those, CALL call it on the whole sum, in two rows (the call; the result in the prompt, the
+    answer), so that sft.py learns no tool result; the others work by hand. tools_prompts: the prompts as messages."""
+    from grpo import calculator
+    from toy_task import make_tokenizer
+
+    sum_task.write_sum_task(str(tmp_path), num_train=2000, num_test=50)
+    tok, user = make_tokenizer(), [{"role": "user", "content": "sum: 2 3 ->"}]
+    assert tok.apply_chat_template([sum_task.TOOLS_LINE, *user], tokenize=False, add_generation_prompt=True) == (
+        tok.apply_chat_template(user, tools=[calculator], tokenize=False, add_generation_prompt=True))
+    rows, prompts = read(tmp_path / "tools_sft" / "train.jsonl"), read(tmp_path / "tools_prompts" / "train.jsonl")
+    declared = [row for row in rows if row["prompt"][0] == sum_task.TOOLS_LINE and len(row["prompt"]) == 2]
+    calls = [row for row in declared if "tool_calls" in row["completion"][0]]
+    answers = [row for row in rows if len(row["prompt"]) == 4]  # declaration, user, the call, its result
+    assert len(rows) == 2000 + len(calls) == 2000 + len(answers) and abs(len(declared) / 2000 - 0.5) < 0.034
+    assert abs(len(calls) / len(declared) - sum_task.CALL) < 3 * (0.21 / len(declared)) ** 0.5
+    for call, answer in zip(calls, answers):
+        numbers = sum_task.numbers_of(call["prompt"][1]["content"])
+        assert call["completion"][0]["tool_calls"][0]["function"]["arguments"] == {"expression": "+".join(map(str,
+                                                                                                           numbers))}
+        assert answer["prompt"][2:] == [call["completion"][0], {"role": "tool", "name": "calculator",
+                                                                "content": str(sum(numbers))}]
+        assert answer["completion"] == [{"role": "assistant", "content": f" {sum(numbers)}"}]
+    assert [row["prompt"] for row in prompts] == [[{"role": "user", "content": row["prompt"]}] for row in
+                                                  read(tmp_path / "prompts" / "train.jsonl")]
+
+
 def test_step_counts_and_count_scores_of_hand_written_completions(monkeypatch):
     rows = [{"prompt": "sum: 23 7 41 ->", "answer": "71"}, {"prompt": "sum: 5 6 ->", "answer": "11"}]
     greedy = ["23+7=30 30+41=71", "5+6=11 11+6=17"]  # right; a step made up (completions_of strips the space)

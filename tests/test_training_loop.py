@@ -71,6 +71,10 @@ RL = {"grpo.py": GRPO, "ppo.py": PPO}
 # verifier plus a reward model (its scores shared out over the ranks); a micro-batch holds whole pairs, so (2, 2, 2)
 # stands in for (2, 1, 4). With DAPO's dynamic sampling: up to 3 rounds a rollout, until 8 groups have a pair
 ONLINE_DPO = "grpo.py --policy_loss dpo --dynamic_sampling 3"
+# tool calls in grpo.py: a toy model that calls the calculator (conftest.tool_model) on running sums; the completions
+# hold the tools' results (out of the loss), malformed calls among them. Its sums are rarely right: the penalty for a
+# completion cut at 48 tokens gives the groups their spread
+TOOLS = "grpo.py --tools calculator --reward_fn last_number --max_completion_length 48 --missing_eos_penalty 1"
 UNTIMED = lambda rows: [
     {k: v for k, v in r.items() if k != "tokens_per_second" and not k.startswith("time/")} for r in rows
 ]
@@ -102,7 +106,7 @@ def common_args(script, model, data_file, out):
     ] + RL.get(script, [])
 
 
-@pytest.fixture(scope="module", params=[*DATA, ONLINE_DPO])
+@pytest.fixture(scope="module", params=[*DATA, ONLINE_DPO, TOOLS])
 def split_runs(request, toy, tmp_path_factory):
     """The same 12-step run of one script (or online DPO) under each split. Returns the script, the model, the
     folder, the runs by split and the arguments every run of it adds."""
@@ -115,6 +119,9 @@ def split_runs(request, toy, tmp_path_factory):
     rows = open(toy / DATA[script] / "train.jsonl").readlines()
     if script == "grpo.py":  # the SFT model is right elsewhere every time: groups of equal rewards would not move it
         rows = [row for row in rows if in_flawed_subset(json.loads(row)["prompt"])]
+    if request.param == TOOLS:
+        model, prompts = request.getfixturevalue("tool_model")
+        rows = open(prompts).readlines()
     rows = rows[:48]
     (root / "small.jsonl").write_text("".join(rows))
     runs, launches = {split: root / "x".join(map(str, split)) for split in splits}, []
@@ -172,6 +179,9 @@ def test_split_invariance(split_runs):
             assert got == pytest.approx(want, rel=0, abs=rel * scale + 1e-6), (script, split, key)
         for name, value in params.items():
             torch.testing.assert_close(value, ref_params[name], atol=1e-5, rtol=1e-5, msg=f"{script} {split} {name}")
+    # the tools were called, some calls failed, in every run
+    if "--tools" in extra:
+        assert all(0 < r["tools/failure_frequency"] < 1 and r["tools/call_frequency"] > 0.5 for r in ref_rows), ref_rows
     # dynamic sampling did sample again (some rounds' groups had no spread) and fill the rollouts
     if "--dynamic_sampling" in extra:
         assert max(r["dynamic_sampling/rounds"] for r in ref_rows) > 1, ref_rows
