@@ -134,6 +134,7 @@ def count_scores(model, tok, rows, num_samples=8, seed=0):
 def tool_scores(model, tok, rows, with_tools, max_new_tokens=64):
     """By count of numbers ("all": every row): greedy accuracy and tool calls a completion, sampled and verified by
     grpo.py's own code (its tool loop, in this process) with the calculator or without it."""
+    import datasets
     import torch.distributed as dist
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -142,15 +143,13 @@ def tool_scores(model, tok, rows, with_tools, max_new_tokens=64):
     args = grpo.Args(max_completion_length=max_new_tokens, per_device_eval_batch_size=100, reward_fn="last_number",
                      tools=["calculator"] if with_tools else None, world_size=1)
     tools = grpo.tools_of(args)
-    prompts = [tok(tok.apply_chat_template(r["prompt"], tools=list(tools.values()) or None, tokenize=False,
-                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-               for r in rows]
+    data, _ = grpo.tokenize_prompts(datasets.Dataset.from_list(rows), tok, args, list(tools.values()) or None)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process: its collectives
     try:
-        rollout = grpo.sample_rollout(model, prompts, None, args, tok, tok.pad_token_id, tools)
+        rollout = grpo.sample_rollout(model, data["prompt"], None, args, tok, tok.pad_token_id, tools)
     finally:
         dist.destroy_process_group()
-    right = grpo.rollout_rewards(rollout | {"answer": [r["answer"] for r in rows]}, None, tok, args, "cpu")["outcome"]
+    right = grpo.rollout_rewards(rollout | {"answer": data["answer"]}, None, tok, args, "cpu")["outcome"]
     counts = [count_of(r["prompt"][-1]["content"]) for r in rows]
     scores = {}
     for count in [*COUNTS, "all"]:

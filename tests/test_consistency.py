@@ -159,7 +159,7 @@ COMMON_FIELDS = [
 
 # each file's size in characters may not pass its ceiling: a feature pays for itself by making something else shorter
 CEILINGS = {"sft.py": 57_138, "reward.py": 57_841, "dpo.py": 64_774, "ppo.py": 78_509, "grpo.py": 97_291,
-            "README.md": 34_428}
+            "README.md": 34_422}
 
 
 def test_every_file_is_within_its_character_ceiling():

@@ -117,11 +117,11 @@ def split_runs(request, toy, tmp_path_factory):
     splits = [(1, 8, 1), (2, 4, 1), (2, 2, 2)] if request.param == ONLINE_DPO else SPLITS
     root = tmp_path_factory.mktemp(script[:-3])
     rows = open(toy / DATA[script] / "train.jsonl").readlines()
-    if script == "grpo.py":  # the SFT model is right elsewhere every time: groups of equal rewards would not move it
-        rows = [row for row in rows if in_flawed_subset(json.loads(row)["prompt"])]
-    if request.param == TOOLS:
+    if request.param == TOOLS:  # its own model and prompts (messages)
         model, prompts = request.getfixturevalue("tool_model")
         rows = open(prompts).readlines()
+    elif script == "grpo.py":  # the SFT model is right elsewhere every time: groups of equal rewards would not move it
+        rows = [row for row in rows if in_flawed_subset(json.loads(row)["prompt"])]
     rows = rows[:48]
     (root / "small.jsonl").write_text("".join(rows))
     runs, launches = {split: root / "x".join(map(str, split)) for split in splits}, []
