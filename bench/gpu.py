@@ -388,7 +388,8 @@ def speed_stage(out, sizes, args):
                 memory[algo][side].append(gib)
                 if profile:
                     breakdowns.setdefault(algo, grpo_breakdown(profile))
-        json.dump({"times": times, "memory": memory}, open(os.path.join(out, "speed_partial.json"), "w"), indent=1)
+                print(f"speed {algo} {side} run {repeat + 1}: {seconds:.4f} s/step, {gib:.1f} GiB", flush=True)
+                json.dump({"times": times, "memory": memory}, open(os.path.join(out, "speed_partial.json"), "w"))
     for algo, same in (("grpo_static", "grpo"), ("sft_gsm8k_padded", "sft_gsm8k")):  # against the same TRL runs
         if algo in times and same in times:
             times[algo]["trl"], memory[algo]["trl"] = times[same]["trl"], memory[same]["trl"]
