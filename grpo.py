@@ -59,6 +59,7 @@ Weight = Annotated[float, ("finite in float32 (the rewards')", lambda v: abs(v) 
 Penalty = Annotated[float, ("0 or more, finite in float32 (the rewards')", lambda v: 0 <= v <= torch.finfo().max)]
 ShardDegree = Annotated[int, ("-1 (all) or a divisor of the {} processes",
                               lambda v: v == -1 or v >= 1 and dist.get_world_size() % v == 0)]
+Pair = Annotated[tuple[float, float], ("two finite numbers above 0", lambda v: all(0 < x < math.inf for x in v))]
 Offload = Annotated[bool, ("False on a machine without a GPU", lambda v: not v or torch.cuda.is_available())]
 RESUMABLE = "may change on resume: logging, the global batch's split"
 Resumable = Annotated[TypeVar("T"), RESUMABLE]
@@ -193,12 +194,21 @@ class Args:
     """seconds a tool call may run, then an error the model reads (default 10)"""
 
     # GRPO and its variants (the README's table)
-    policy_loss: Literal["clip", "cispo", "dpo"] = "clip"
-    """clip: PPO's clipped surrogate; cispo: clipped weight x A log pi; dpo: online DPO (no flag below but --beta)"""
+    policy_loss: Literal["clip", "cispo", "sapo", "vespo", "dpo"] = "clip"
+    """clip: PPO's clipped surrogate; cispo: clipped weight x A log pi; sapo, vespo: soft gates (grpo_loss); dpo:
+    online DPO (no flag below but --beta and the reference's)"""
     beta: NonNegative = 0.04
     """weight of the KL penalty in the loss (0: no reference model); online DPO's beta"""
+    ref_model_sync_steps: OffOrAtLeast1 = -1
+    """every this many steps the reference becomes alpha x the policy + (1 - alpha) x itself (TR-DPO, TRL's
+    sync_ref_model)"""
+    ref_model_mixup_alpha: Fraction = 0.6
+    """TR-DPO's alpha"""
     advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
     """how rewards become advantages"""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """normalize_then_sum (GDPO): the verifier, the penalties, the reward model's score each normalised in the group,
+    summed by weight, normalised over the rollout"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """grpo: r - group mean over the std of the group, of the rollout (batch), or none (Dr. GRPO)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
@@ -207,8 +217,33 @@ class Args:
     """pi / pi_old is clipped to [1 - epsilon, 1 + epsilon_high]"""
     epsilon_high: Optional[NonNegative] = None
     """default: epsilon (DAPO's clip-higher: 0.28)"""
+    delta: Optional[Positive] = None
+    """two-sided clip: pi / pi_old capped at delta where A < 0 too (INTELLECT-2: above 1 + epsilon_high)"""
+    sapo_temperature: Pair = (1.0, 1.05)
+    """SAPO's gate temperatures where A > 0 and A <= 0"""
+    vespo_k: Annotated[tuple[float, float], ("two finite numbers", lambda v: all(abs(x) < math.inf for x in v))] = (
+        2.0, 3.0)
+    """VESPO's power exponents where A >= 0 and A < 0"""
+    vespo_lambda: Pair = (3.0, 2.0)
+    """VESPO's decay rates where A >= 0 and A < 0"""
     kl_estimator: Literal["k1", "k2", "k3", "k1_ratio"] = "k3"
     """the KL estimate in the loss; objective/kl is logged with k3"""
+    use_bias_correction_kl: bool = False
+    """the KL term x pi / pi_old (TRL's default: True)"""
+    off_policy_mask_threshold: Optional[Positive] = None
+    """completions with A < 0 whose mean log(pi_old / pi) is above this out of the policy loss"""
+    top_entropy_quantile: Fraction = 1.0
+    """the policy loss on this top fraction of the tokens by entropy (80/20: 0.2)"""
+    entropy_coef: NonNegative = 0.0
+    """weight of the mean entropy subtracted from the loss"""
+    use_adaptive_entropy: bool = False
+    """the entropy bonus only while the entropy is at most entropy_target; its weight up or down a step"""
+    entropy_target: NonNegative = 0.2
+    """nats a token"""
+    entropy_coef_delta: NonNegative = 0.005
+    """the weight's step"""
+    entropy_coef_range: Annotated[tuple[float, float], ("0 <= min <= max", lambda v: 0 <= v[0] <= v[1])] = (0.0, 1.0)
+    """the weight's bounds"""
     loss_type: Literal["token", "sequence", "constant"] = "token"
     """what the loss sum is divided by"""
 
@@ -254,20 +289,26 @@ def has_spread(values, group_size, usable=True):
     return groups.where(usable, -math.inf).amax(1) > groups.where(usable, math.inf).amin(1)
 
 
-def group_advantages(rewards, num_tokens, group_size, args):
+def group_advantages(rewards, num_tokens, group_size, args, objectives=None):
     """A completion's advantage for all its tokens (Sec. 4.1.2 of arXiv:2402.03300); the groups without spread.
     grpo: (r - group mean) / (std + 1e-4), the std of the group, rollout (batch) or none (Dr. GRPO); rloo: r - the
     others' mean (arXiv:2402.14740); both 0 without spread. reinforce_plus_plus: r whitened over the rollout's tokens
-    (arXiv:2501.03262); _baseline: r - group mean, whitened."""
+    (arXiv:2501.03262); _baseline: r - group mean, whitened. `objectives` (normalize_then_sum, GDPO,
+    arXiv:2601.05242): each normalised as grpo's in its group, summed by weight, then over the rollout."""
     groups, zero_std = rewards.view(-1, group_size), ~has_spread(rewards, group_size)
     advantages = groups - groups.mean(1, keepdim=True)
-    if args.advantage_estimator.startswith("reinforce_plus_plus"):
+    if objectives is not None:
+        o = objectives.view(*groups.shape, -1)
+        weights = torch.tensor([args.reward_fn_weight, 1, args.reward_model_weight], device=o.device)
+        summed = ((o - o.mean(1, keepdim=True)) / (o.std(1, keepdim=True) + 1e-4) * weights).sum(2)
+        advantages = (summed - summed.mean()) / (summed.std() + 1e-4)
+    elif args.advantage_estimator.startswith("reinforce_plus_plus"):
         x = (rewards if args.advantage_estimator == "reinforce_plus_plus" else advantages.flatten()).double()
         w = num_tokens.double()  # mean and unbiased variance over the tokens
         mean = (w * x).sum() / w.sum().clamp(min=1)
         variance = (w * (x - mean) ** 2).sum() / (w.sum() - 1).clamp(min=1)
         return ((x - mean) * torch.rsqrt(variance + 1e-8)).to(rewards.dtype), zero_std
-    if args.advantage_estimator == "rloo":  # G / (G - 1) (r - group mean)
+    elif args.advantage_estimator == "rloo":  # G / (G - 1) (r - group mean)
         advantages = advantages * group_size / (group_size - 1)
     elif args.scale_rewards == "group":
         advantages = advantages / (groups.std(1, keepdim=True) + 1e-4)
@@ -316,6 +357,16 @@ def training_rows(kept, spread, rewards, usable, num_groups, args):
     return rows, stats
 
 
+def top_entropy_tokens(entropy, mask, rho):
+    """The tokens of `mask` with an entropy at least the (1 - rho) quantile of theirs ("Beyond the 80/20 rule",
+    arXiv:2506.01939: the forks of a reasoning path), the quantile over a whole mini-batch (TRL: a micro-batch)."""
+    values, rank = entropy[mask > 0].sort().values, (1 - rho) * ((mask > 0).sum().item() - 1)
+    if len(values) == 0:
+        return mask
+    threshold = values[math.floor(rank)].lerp(values[math.ceil(rank)], rank - math.floor(rank))  # torch.quantile's
+    return mask * (entropy >= threshold)  # (which takes 2^24 values at most)
+
+
 def kl_estimate(logps, ref_logps, old_logps, kl_estimator):
     """Per-token estimate of KL(pi || pi_ref) on pi_old's tokens, d = logp - logp_ref (joschu.net/blog/kl-approx.html).
     On-policy, k1 = d and k3 = exp(-d) - 1 + d (Eq. 4 of arXiv:2402.03300, never negative) have the right expected
@@ -343,23 +394,42 @@ def loss_normaliser(completion_mask, args):
     return completion_mask.shape[0] * args.max_completion_length
 
 
-def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, args):
+def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, args, keep=1.0):
     """Eq. 3 of arXiv:2402.03300 as a loss: per token -min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A) (or
-    CISPO's) + beta KL, ratio = pi / pi_old (or GSPO's), summed over `mask` (sequence: each completion's mean), over
-    `normaliser`; the ratio and policy loss."""
+    another policy loss) in `keep` + beta KL, ratio = pi / pi_old (or GSPO's), summed over `mask` (sequence: each
+    completion's mean), over `normaliser`; the ratio and policy loss."""
     log_ratio, A = logps - old_logps, advantages[:, None]
+    mean_log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
     if args.importance_sampling_level == "sequence":  # GSPO, Eq. 7 of arXiv:2507.18071: one ratio per completion
-        log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+        log_ratio = mean_log_ratio
     ratio = torch.exp(log_ratio)
     if args.policy_loss == "cispo":  # Eq. 4 of arXiv:2506.13585 with no lower bound on the weight (as the paper ran)
         policy_loss = -ratio.clamp(max=1 + args.epsilon_high).detach() * A * logps
-    else:
-        policy_loss = -torch.min(ratio * A, ratio.clamp(1 - args.epsilon, 1 + args.epsilon_high) * A)
+    elif args.policy_loss == "sapo":  # arXiv:2511.20347: a sigmoid gate, PPO's gradient at ratio 1
+        tau = torch.where(A > 0, *args.sapo_temperature)
+        policy_loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * A
+    elif args.policy_loss == "vespo":  # arXiv:2602.10693: the completion's weight phi(w) x A log pi
+        policy_loss = -vespo_weight(logps.detach() - old_logps, A, mask, args) * A * logps
+    else:  # INTELLECT-2's two-sided clip (arXiv:2505.07291): ratio capped at delta, for A < 0 too
+        clipped = ratio.clamp(1 - args.epsilon, 1 + args.epsilon_high)
+        policy_loss = -torch.min(ratio.clamp(max=args.delta or math.inf) * A, clipped * A)
+    if args.off_policy_mask_threshold:  # DeepSeek-V3.2's Eq. 9 (arXiv:2512.02556): off-policy failures out
+        keep = keep * ((A >= 0) | (-mean_log_ratio.detach() <= args.off_policy_mask_threshold))
     kl = args.beta * kl_estimate(logps, ref_logps, old_logps, args.kl_estimator) if args.beta > 0 else 0.0
-    per_token = (policy_loss + kl) * mask
+    if args.use_bias_correction_kl:  # the unbiased gradient of KL(pi || pi_ref) off-policy too (DeepSeek-V3.2)
+        kl = kl * ratio
+    per_token = (policy_loss * keep + kl) * mask
     if args.loss_type == "sequence":
         per_token = per_token.sum(1) / mask.sum(1).clamp(min=1)
-    return per_token.sum() / normaliser, ratio, policy_loss
+    return per_token.sum() / normaliser, ratio, policy_loss * keep
+
+
+def vespo_weight(log_ratio, A, mask, args):
+    """VESPO's phi(w) = exp(lambda) w^k exp(-lambda w) (phi(1) = 1), w = pi / pi_old of the completion, k and lambda
+    by the sign of A, in logs and clamped as TRL."""
+    log_w = (log_ratio.clamp(-20, 20) * mask).sum(1, keepdim=True).clamp(math.log(1e-8), 20)
+    k, lam = (torch.where(A >= 0, *pair) for pair in (args.vespo_k, args.vespo_lambda))
+    return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(0, 0, 0)
 
 
 def online_dpo_loss(logps, ref_logps, mask, normaliser, beta):
@@ -480,8 +550,6 @@ def tool_suffix(tokenizer, results):
 def tools_of(args):
     """--tools as {name: function}, refused unless each is a function with a schema (its docstring); SIGALRM ends a
     call past --tool_timeout."""
-    if not args.tools and (args.max_tool_calls or args.tool_timeout):
-        raise ScriptError("--max_tool_calls and --tool_timeout need --tools")
     tools = {}
     for name in args.tools or []:
         module, _, function = name.rpartition(".")
@@ -534,45 +602,52 @@ def rollout_rewards(rollout, reward_model, tokenizer, args, device):
     correct = torch.tensor([verifier_reward(t, a, args.reward_fn) if args.reward_fn else 0.0
                             for t, a in zip(texts, rollout["answer"])], device=device)
     ended = torch.tensor([c[-1] == tokenizer.eos_token_id for c in completions], device=device)
-    rewards = args.reward_fn_weight * correct - args.missing_eos_penalty * (~ended).float()
+    penalties = [args.missing_eos_penalty * (~ended).float()]
     if args.overlong_buffer:  # DAPO's Eq. 13 x the factor, EOS counted (as TRL, verl)
         too_long = (rollout["length"] - args.max_completion_length) / args.overlong_buffer + 1
-        rewards -= args.overlong_penalty_factor * too_long.clamp(0, 1)
+        penalties.append(args.overlong_penalty_factor * too_long.clamp(0, 1))
+    rewards = functools.reduce(torch.sub, penalties, args.reward_fn_weight * correct)
     scores = torch.zeros_like(rewards)
     if reward_model:  # one score a distinct text: its copies tie exactly, whatever the rows scored beside each
         texts = {}
         copy_of = [texts.setdefault((tuple(p), tuple(c)), len(texts)) for p, c in zip(rollout["prompt"], completions)]
         distinct = {"prompt": [p for p, _ in texts], "completion": [c for _, c in texts]}
-        scores = args.reward_model_weight * no_grad_pass(reward_model, distinct, args, True)[copy_of, 0]
+        scores = no_grad_pass(reward_model, distinct, args, True)[copy_of, 0]
     sources = [f"--reward_fn {args.reward_fn} with the penalties", f"--reward_model_path {args.reward_model_path}"]
-    check_rewards(torch.stack([rewards, scores], 1), sources)
-    return {"reward": rewards + scores, "ended": ended, "outcome": correct if args.reward_fn else scores}
+    check_rewards(torch.stack([rewards, args.reward_model_weight * scores], 1), sources)
+    return {"reward": rewards + args.reward_model_weight * scores, "ended": ended,
+            "objectives": torch.stack([correct, -sum(penalties), scores], 1),  # apart for normalize_then_sum
+            "outcome": correct if args.reward_fn else args.reward_model_weight * scores}
 
 
 @torch.no_grad()
-def no_grad_pass(net, rollout, args, scores=False):
-    """Log-probs of the completions at the loss's temperature (the reference's, the old policy's), or a reward
-    model's scores."""
+def no_grad_pass(net, rollout, args, scores=False, entropy=False):
+    """Log-probs of the completions at the loss's temperature (the reference's, the old policy's) [and entropies], or
+    a reward model's scores."""
     device = next(net.parameters()).device
-    table = torch.zeros(len(rollout["prompt"]), 1 if scores else args.max_completion_length, device=device)
-    for rows, valid in rank_micro_batches(len(table), args.local_rollout_forward_batch_size):
+    table = torch.zeros(1 + entropy, len(rollout["prompt"]), 1 if scores else args.max_completion_length, device=device)
+    for rows, valid in rank_micro_batches(table.shape[1], args.local_rollout_forward_batch_size):
         batch = make_batch(device, rollout["prompt"], rollout["completion"], rows, args)
         if scores:
-            values = sequence_scores(net, batch)[:, None]
+            values = sequence_scores(net, batch)[None, :, None]
         else:
-            values = completion_logprobs(net, batch, loss_temperature(args))
-        table[rows, : values.shape[1]] += valid * values
+            values = completion_logprobs(net, batch, loss_temperature(args), entropy)
+            values = torch.stack(values) if entropy else values[None]
+        table[:, rows, : values.shape[2]] += valid * values
     dist.all_reduce(table)
-    return table
+    return table if entropy else table[0]
 
 
-def accumulate_gradients(model, rollout, mini, normaliser, args, sums):
-    """One step's gradients from this rank's micro-batches of `mini`, statistics in `sums`."""
-    device, step_loss = next(model.parameters()).device, 0.0
+def accumulate_gradients(model, rollout, mini, normalisers, args, sums, entropy_coef=0.0):
+    """One step's gradients from this rank's micro-batches of `mini`, statistics in `sums`; the sum of the entropies
+    of the tokens in the policy loss (`keep`), and their count."""
+    device, step_loss, (normaliser, kept) = next(model.parameters()).device, 0.0, normalisers
+    entropies = torch.zeros(2, device=device)
     for micro in micro_batches(mini, args):
         batch = make_batch(device, rollout["prompt"], rollout["completion"], micro, args)
         width = batch["completion_mask"].shape[1]
-        mask, A = rollout["loss_mask"][micro, :width], rollout["advantages"][micro, None]
+        mask, keep = (rollout[name][micro, :width] for name in ("loss_mask", "keep"))
+        A = rollout["advantages"][micro, None]
         logps, entropy = completion_logprobs(model, batch, loss_temperature(args), True)
         old = rollout["old_logps"][micro, :width] if rollout["old_logps"] is not None else logps.detach()
         ref = rollout["ref_logps"][micro, :width] if rollout["ref_logps"] is not None else None
@@ -580,21 +655,48 @@ def accumulate_gradients(model, rollout, mini, normaliser, args, sums):
             loss, pair_stats = online_dpo_loss(logps, ref, mask, normaliser, args.beta)
             ratio, policy_loss = torch.exp(logps - old).detach(), None
         else:
-            (loss, ratio, policy_loss), pair_stats = grpo_loss(logps, old, ref, A[:, 0], mask, normaliser, args), {}
+            (loss, ratio, policy_loss), pair_stats = grpo_loss(logps, old, ref, A[:, 0], mask, normaliser, args,
+                                                               keep), {}
+        if entropy_coef:  # an entropy bonus: their mean (Skywork-OR1, arXiv:2505.22312)
+            loss = loss - entropy_coef * (entropy * keep).sum() / kept
         loss.backward()
         step_loss += loss.detach()
+        entropies += torch.stack([(entropy * keep).sum(), keep.sum()]).detach()
         with torch.no_grad():
             kl = kl_estimate(logps, ref, old, "k3") if ref is not None else 0 * logps
+            clipped = args.policy_loss in ("clip", "cispo")  # SAPO's and VESPO's gates clip nothing
             token_stats = {"loss/policy_avg": policy_loss, "policy/approxkl_avg": 0.5 * (logps - old) ** 2,
                            "objective/entropy": entropy, "val/ratio": ratio, "val/ratio_squared": ratio**2,
                            "clip_ratio/low": (ratio < 1 - args.epsilon) & (A < 0) & (args.policy_loss == "clip"),
-                           "clip_ratio/high": (ratio > 1 + args.epsilon_high) & (A > 0) & (args.policy_loss != "dpo"),
+                           "clip_ratio/high": (ratio > 1 + args.epsilon_high) & (A > 0) & clipped,
                            "objective/kl": kl}
             stats = {name: (v * mask).sum() for name, v in token_stats.items() if v is not None}  # None: online DPO's
             stats |= pair_stats | {"loss": loss.detach(), "tokens": mask.sum(), "processed": batch["tokens"]}
             for name, value in stats.items():
                 sums[name] += value
-    return step_loss
+    return step_loss, entropies
+
+
+@torch.no_grad()
+def sync_reference(ref_model, model, alpha):
+    """TR-DPO's (arXiv:2404.09656), as TRL's SyncRefModelCallback: the reference becomes alpha x the policy + (1 -
+    alpha) x itself, on the shards (gathered weights, a root's or --no-reshard_after_forward's, set back first)."""
+    for module in [m for m in (*ref_model.modules(), *model.modules()) if isinstance(m, FSDPModule)]:
+        module.reshard()
+    for ref, new in zip(ref_model.parameters(), model.parameters(), strict=True):
+        ref.mul_(1 - alpha).add_(new, alpha=alpha)
+
+
+def entropy_weight(state, args, entropies=None):
+    """The entropy bonus's weight this step. Adaptive (Skywork-OR1, arXiv:2505.22312, as TRL): after a step, given
+    its `entropies` (sum, count), a step up if their mean is at most --entropy_target, else down (in
+    --entropy_coef_range); no bonus while the last mean is above the target."""
+    if entropies is not None:
+        state["entropy"] = (entropies[0] / entropies[1].clamp(min=1)).item()
+        c, step, (low, high) = state["entropy_coef"], args.entropy_coef_delta, args.entropy_coef_range
+        state["entropy_coef"] = min(c + step, high) if state["entropy"] <= args.entropy_target else max(c - step, low)
+    idle = args.use_adaptive_entropy and state["entropy"] > args.entropy_target
+    return 0.0 if idle else state["entropy_coef"]
 
 
 def window_metrics(w, steps, seconds, args):
@@ -616,14 +718,13 @@ def main(args):
     K = 2 if dpo else G  # a prompt's rows in the loss (online DPO: a pair)
     args.rollout_batch_size = args.batch_size * args.num_mini_batches
     P, rounds = args.rollout_batch_size // K, args.dynamic_sampling  # groups a rollout
-    unused = [f"--{f.name}" for f in fields(Args)[-7:] if getattr(args, f.name) != f.default]  # GRPO's, after beta
+    changed = {f.name for f in fields(Args) if getattr(args, f.name) != f.default}
+    unused = [f"--{f.name}" for f in fields(Args)[-20:] if f.name in changed]  # after the reference's
     needs = {f"--beta above 0, not {args.beta}": args.beta == 0, f"none of GRPO's flags, not {unused}": unused,
              f"an even --per_device_train_batch_size (whole pairs), not {args.per_device_train_batch_size}":
              args.per_device_train_batch_size % 2}
     if dpo and any(needs.values()):
         raise ScriptError(f"--policy_loss dpo needs {'; '.join(need for need, unmet in needs.items() if unmet)}")
-    if args.epsilon_high is None:
-        args.epsilon_high = args.epsilon
     if args.rollout_batch_size % K:
         raise ScriptError(f"--num_generations {G} does not divide a rollout's {args.rollout_batch_size} completions "
                           f"({world_size} processes x --per_device_train_batch_size x --gradient_accumulation_steps x "
@@ -633,10 +734,33 @@ def main(args):
                           "above G and --rejection_sampling_beta")
     if args.reward_fn is None and args.reward_model_path is None:
         raise ScriptError("no reward: set --reward_fn, --reward_model_path, or both")
-    if args.scale_rewards != "group" and args.advantage_estimator != "grpo":
-        raise ScriptError(f"--scale_rewards applies to --advantage_estimator grpo only, not {args.advantage_estimator}")
-    if args.overlong_penalty_factor is not None and not args.overlong_buffer:
-        raise ScriptError("--overlong_penalty_factor needs --overlong_buffer (the punishment's tokens)")
+    grpo, loss = args.advantage_estimator == "grpo", args.policy_loss
+    needs = {  # what each flag does nothing without
+        "max_tool_calls tool_timeout": ("--tools", args.tools),
+        "scale_rewards": ("--advantage_estimator grpo, --multi_objective_aggregation sum_then_normalize", grpo and
+                          args.multi_objective_aggregation == "sum_then_normalize"),
+        "overlong_penalty_factor": ("--overlong_buffer (the punishment's tokens)", args.overlong_buffer),
+        "ref_model_sync_steps": ("--beta above 0 (a reference)", args.beta > 0),
+        "ref_model_mixup_alpha": ("--ref_model_sync_steps", args.ref_model_sync_steps > 0),
+        "multi_objective_aggregation": ("--advantage_estimator grpo", grpo),
+        "importance_sampling_level": ("a --policy_loss but vespo (weighs a completion)", loss != "vespo"),
+        "epsilon": ("--policy_loss clip, or cispo without --epsilon_high", loss == "clip" or loss == "cispo" and
+                    args.epsilon_high is None),
+        "delta": ("--policy_loss clip", loss == "clip"),
+        "epsilon_high": ("--policy_loss clip or cispo", loss in ("clip", "cispo")),
+        "sapo_temperature": ("--policy_loss sapo", loss == "sapo"),
+        "vespo_k vespo_lambda": ("--policy_loss vespo", loss == "vespo"),
+        "use_bias_correction_kl": ("--beta above 0, a --kl_estimator but k1_ratio (x the ratio already)",
+                                   args.beta > 0 and args.kl_estimator != "k1_ratio"),
+        "off_policy_mask_threshold": ("--num_iterations above 1 (else pi_old is pi)", args.num_iterations > 1),
+        "entropy_target entropy_coef_delta entropy_coef_range": ("--use_adaptive_entropy", args.use_adaptive_entropy),
+    }
+    for names, (need, met) in needs.items():
+        for name in names.split():
+            if name in changed and not met:
+                raise ScriptError(f"--{name} {getattr(args, name)} does nothing without {need}")
+    if args.epsilon_high is None:
+        args.epsilon_high = args.epsilon
     if (args.overlong_buffer or 0) > args.max_completion_length:
         raise ScriptError(f"--overlong_buffer {args.overlong_buffer}: at most --max_completion_length "
                           f"{args.max_completion_length} (a longer one punishes every completion)")
@@ -661,13 +785,18 @@ def main(args):
 
     # 4. optimizer and LR schedule (or both restored by --resume_from)
     optimizer, scheduler, start_step, state = make_optimizer(model, args)
+    if "ref_model" in state:  # synced: as it was saved
+        set_model_state_dict(ref_model, state.pop("ref_model"), options=StateDictOptions(full_state_dict=True,
+                                                                                         broadcast_from_rank0=True))
     metrics_path, progress = open_metrics(args, start_step)
 
     # 5. training loop
     sums = collections.defaultdict(lambda: torch.zeros((), device=device))  # this rank's, since the last log
     logged, window_start, learned = start_step, time.time(), False
     first, per_epoch = start_step // steps_per_rollout, len(train["prompt"]) // P
-    state.setdefault("batches", first * rounds)  # batches of prompts read, in order: the checkpoint keeps it
+    # batches of prompts read, in order, adaptive entropy's weight and last entropy: the checkpoint keeps them
+    state = {"batches": first * rounds, "entropy_coef": args.entropy_coef, "entropy": math.inf} | state
+    rho = args.top_entropy_quantile < 1
     for rollout_index in range(first, num_rollouts):
         rollout_start, said, rollout, kept = time.time(), time.time(), collections.defaultdict(list), []
         generator = torch.Generator().manual_seed((args.seed * 100_003 + rollout_index) * 100_003 - 1)
@@ -709,15 +838,21 @@ def main(args):
         rollout = {name: [column[i] for i in rows] for name, column in rollout.items()}
         rewards, lengths, ended = (torch.stack(rollout.pop(name)) for name in ("reward", "length", "ended"))
         rollout["ref_logps"] = no_grad_pass(ref_model, rollout, args) if ref_model else None
-        rollout["old_logps"] = no_grad_pass(model, rollout, args) if args.num_iterations > 1 else None
+        old = no_grad_pass(model, rollout, args, entropy=rho) if args.num_iterations > 1 or rho else None
+        if rho:  # the sampling policy's entropies, for the 80/20 rule
+            old, rollout["entropy"] = old
+        rollout["old_logps"] = old if args.num_iterations > 1 else None
 
         # 4. the tokens in the loss, and the advantages
         rollout["loss_mask"] = torch.stack(rollout.pop("policy_mask")).float()  # not the tools' tokens
         if args.mask_truncated_completions:
             rollout["loss_mask"] *= ended[:, None]
-        rollout["advantages"], zero_std = group_advantages(rewards, rollout["loss_mask"].sum(1), K, args)
+        gdpo = args.multi_objective_aggregation == "normalize_then_sum"
+        objectives = torch.stack(rollout["objectives"]) if gdpo else None
+        rollout["advantages"], zero_std = group_advantages(rewards, rollout["loss_mask"].sum(1), K, args, objectives)
         if dpo:  # equal rewards: no pair
             rollout["loss_mask"] *= ~zero_std.repeat_interleave(2)[:, None]
+        rollout["keep"] = rollout["loss_mask"].clone()  # the policy loss's tokens
         learned |= bool((rollout["advantages"][:, None] * rollout["loss_mask"]).any())
         stats |= {"completions/mean_length": lengths.float().mean(), "val/num_eos_tokens": ended.sum(),
                   "completions/clipped_ratio": 1 - ended.float().mean(),
@@ -728,13 +863,23 @@ def main(args):
 
         # 5. num_iterations passes over the rollout, each in num_mini_batches optimizer steps
         for k, mini in enumerate(rollout_mini_batches(rollout_index, args.num_iterations, args, K if dpo else 1)):
-            update_start = time.time()
-            normaliser = loss_normaliser(rollout["loss_mask"][mini], args)
-            step_loss = accumulate_gradients(model, rollout, mini, normaliser, args, sums)
+            update_start, mask = time.time(), rollout["loss_mask"][mini]
+            if rho:  # the policy loss on the tokens of highest entropy, of the whole mini-batch
+                rollout["keep"][mini] = top_entropy_tokens(rollout["entropy"][mini], mask, args.top_entropy_quantile)
+            normalisers = loss_normaliser(mask, args), rollout["keep"][mini].sum().clamp(min=1)
+            step_loss, entropies = accumulate_gradients(model, rollout, mini, normalisers, args, sums,
+                                                        entropy_weight(state, args))
             step = rollout_index * steps_per_rollout + k + 1
             lr, grad_norm, stop = optimizer_step(model, optimizer, scheduler, step_loss, step, args)
+            if args.use_adaptive_entropy:  # the weight follows the step's entropy, all ranks'
+                dist.all_reduce(entropies)
+                entropy_weight(state, args, entropies)
+            if args.ref_model_sync_steps > 0 and step % args.ref_model_sync_steps == 0:
+                sync_reference(ref_model, model, args.ref_model_mixup_alpha)
             progress.update(1)
             stats["time/update"] = time.time() - update_start
+            if args.entropy_coef or args.use_adaptive_entropy:
+                stats["entropy_coef"] = state["entropy_coef"]
             for name, value in stats.items():  # the same on every rank: each adds its share
                 sums[name] += value / world_size
 
@@ -752,7 +897,11 @@ def main(args):
                 sums, logged, window_start = collections.defaultdict(sums.default_factory), step, time.time()
                 learned = False
             if (args.save_every > 0 and step % args.save_every == 0) or (stop and step % steps_per_rollout == 0):
+                if args.ref_model_sync_steps > 0:  # the synced reference: state too
+                    state["ref_model"] = get_model_state_dict(ref_model, options=StateDictOptions(
+                        full_state_dict=True, cpu_offload=True))
                 save_checkpoint(model, optimizer, scheduler, step, args, state, stop)
+                state.pop("ref_model", None)
 
     # 6. save the Hugging Face folder
     finish(model, tokenizer, args, device)
@@ -1069,24 +1218,32 @@ class HeadLogprobs(torch.autograd.Function):
             logprobs[rows] = log_p.gather(1, labels[rows, None])[:, 0]
             log_z[rows] = logits.gather(1, labels[rows, None])[:, 0] - logprobs[rows]  # the softmax's log divisor
             entropy[rows] = -(log_p.exp() * log_p).sum(-1) if with_entropy else 0
-        ctx.save_for_backward(hidden, labels, logprobs, log_z, weight, bias)
-        ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(hidden, labels, logprobs, log_z, entropy, weight, bias)
+        ctx.set_materialize_grads(False)  # an entropy out of the loss: no gradient, None
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad, _):
-        hidden, labels, logprobs, log_z, weight, bias = ctx.saved_tensors
-        grad = -grad[:, None]  # the logits' gradient: grad x (one-hot - softmax)
-        head, scaled = [p for p in (weight, bias) if p is not None], (hidden * grad).to(hidden.dtype)
+    def backward(ctx, grad, grad_entropy):
+        hidden, labels, logprobs, log_z, entropy, weight, bias = ctx.saved_tensors
+        grad = -grad[:, None]  # the logits' gradient: grad x (one-hot - softmax), a row's factor out of the products
+        factor = grad if grad_entropy is None else torch.ones_like(grad)  # with the entropy's: in them
+        head, scaled = [p for p in (weight, bias) if p is not None], (hidden * factor).to(hidden.dtype)
         grads, grad_hidden = [torch.empty_like(p) for p in head], torch.zeros_like(hidden, dtype=torch.float32)
         size = max(HEAD_ROWS * len(weight) // len(hidden), 1)
         for start in range(0, len(weight), size):
             w, *b = (p[start : start + size] for p in head)
-            probs = F.linear(hidden, w, *b).float().sub_(log_z[:, None]).exp_().to(w.dtype)  # rounded once
-            here = (labels >= start) & (labels < start + size)  # - one-hot at this slice's labels
-            probs[here, labels[here] - start] = (logprobs[here].exp() - 1).to(probs.dtype)
-            grad_hidden += probs @ w * grad
-            for whole, x in zip(grads, (scaled, grad[:, 0].to(probs.dtype))):
+            probs = F.linear(hidden, w, *b).float().sub_(log_z[:, None])  # log p
+            here = (labels >= start) & (labels < start + size)  # at the labels, the forward's (not recomputed)
+            probs[here, labels[here] - start] = logprobs[here]
+            if grad_entropy is None:
+                probs.exp_()
+            else:  # d entropy / d logits = -p (log p + entropy)
+                p = probs.exp()
+                probs = probs.add_(entropy[:, None]).mul_(-grad_entropy[:, None]).add_(grad).mul_(p)
+            probs[here, labels[here] - start] -= 1 if grad_entropy is None else grad[here, 0]  # - one-hot
+            probs = probs.to(w.dtype)  # rounded once
+            grad_hidden += probs @ w * factor
+            for whole, x in zip(grads, (scaled, factor[:, 0].to(probs.dtype))):
                 whole[start : start + size] = probs.T @ x
         return grad_hidden.to(hidden.dtype), None, None, *grads, None  # a None to spare: no bias
 
@@ -1270,7 +1427,7 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
     dcp.load({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)  # in place
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     same = manifest["args"]["world_size"] == args.world_size  # else per-rank random streams restart
-    extra = torch.load(f"{path}/rank{dist.get_rank() if same else 0}.pt", weights_only=True)
+    extra = torch.load(f"{path}/rank{dist.get_rank() if same else 0}.pt", weights_only=True, mmap=True)  # read as used
     scheduler.load_state_dict(extra["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr  # the next step's (not in the checkpoint)

@@ -772,24 +772,32 @@ class HeadLogprobs(torch.autograd.Function):
             logprobs[rows] = log_p.gather(1, labels[rows, None])[:, 0]
             log_z[rows] = logits.gather(1, labels[rows, None])[:, 0] - logprobs[rows]  # the softmax's log divisor
             entropy[rows] = -(log_p.exp() * log_p).sum(-1) if with_entropy else 0
-        ctx.save_for_backward(hidden, labels, logprobs, log_z, weight, bias)
-        ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(hidden, labels, logprobs, log_z, entropy, weight, bias)
+        ctx.set_materialize_grads(False)  # an entropy out of the loss: no gradient, None
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad, _):
-        hidden, labels, logprobs, log_z, weight, bias = ctx.saved_tensors
-        grad = -grad[:, None]  # the logits' gradient: grad x (one-hot - softmax)
-        head, scaled = [p for p in (weight, bias) if p is not None], (hidden * grad).to(hidden.dtype)
+    def backward(ctx, grad, grad_entropy):
+        hidden, labels, logprobs, log_z, entropy, weight, bias = ctx.saved_tensors
+        grad = -grad[:, None]  # the logits' gradient: grad x (one-hot - softmax), a row's factor out of the products
+        factor = grad if grad_entropy is None else torch.ones_like(grad)  # with the entropy's: in them
+        head, scaled = [p for p in (weight, bias) if p is not None], (hidden * factor).to(hidden.dtype)
         grads, grad_hidden = [torch.empty_like(p) for p in head], torch.zeros_like(hidden, dtype=torch.float32)
         size = max(HEAD_ROWS * len(weight) // len(hidden), 1)
         for start in range(0, len(weight), size):
             w, *b = (p[start : start + size] for p in head)
-            probs = F.linear(hidden, w, *b).float().sub_(log_z[:, None]).exp_().to(w.dtype)  # rounded once
-            here = (labels >= start) & (labels < start + size)  # - one-hot at this slice's labels
-            probs[here, labels[here] - start] = (logprobs[here].exp() - 1).to(probs.dtype)
-            grad_hidden += probs @ w * grad
-            for whole, x in zip(grads, (scaled, grad[:, 0].to(probs.dtype))):
+            probs = F.linear(hidden, w, *b).float().sub_(log_z[:, None])  # log p
+            here = (labels >= start) & (labels < start + size)  # at the labels, the forward's (not recomputed)
+            probs[here, labels[here] - start] = logprobs[here]
+            if grad_entropy is None:
+                probs.exp_()
+            else:  # d entropy / d logits = -p (log p + entropy)
+                p = probs.exp()
+                probs = probs.add_(entropy[:, None]).mul_(-grad_entropy[:, None]).add_(grad).mul_(p)
+            probs[here, labels[here] - start] -= 1 if grad_entropy is None else grad[here, 0]  # - one-hot
+            probs = probs.to(w.dtype)  # rounded once
+            grad_hidden += probs @ w * factor
+            for whole, x in zip(grads, (scaled, factor[:, 0].to(probs.dtype))):
                 whole[start : start + size] = probs.T @ x
         return grad_hidden.to(hidden.dtype), None, None, *grads, None  # a None to spare: no bias
 
@@ -973,7 +981,7 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
     dcp.load({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)  # in place
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     same = manifest["args"]["world_size"] == args.world_size  # else per-rank random streams restart
-    extra = torch.load(f"{path}/rank{dist.get_rank() if same else 0}.pt", weights_only=True)
+    extra = torch.load(f"{path}/rank{dist.get_rank() if same else 0}.pt", weights_only=True, mmap=True)  # read as used
     scheduler.load_state_dict(extra["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr  # the next step's (not in the checkpoint)

@@ -658,7 +658,7 @@ def load_checkpoint(path, model, optimizer, scheduler, args):
     dcp.load({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)  # in place
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     same = manifest["args"]["world_size"] == args.world_size  # else per-rank random streams restart
-    extra = torch.load(f"{path}/rank{dist.get_rank() if same else 0}.pt", weights_only=True)
+    extra = torch.load(f"{path}/rank{dist.get_rank() if same else 0}.pt", weights_only=True, mmap=True)  # read as used
     scheduler.load_state_dict(extra["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr  # the next step's (not in the checkpoint)

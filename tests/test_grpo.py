@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from conftest import ROOT, read_metrics, run_in_process, run_script, run_scripts, tiny_gpt2
 from grpo import (
+    Args,
     accumulate_gradients,
     best_and_worst,
     completion_logprobs,
@@ -54,6 +55,7 @@ GSM8K = os.path.join(ROOT, "tests", "data", "gsm8k", "test.jsonl")  # MIT, tests
 def loss_args(**kw):
     return SimpleNamespace(
         **{
+            **{field.name: field.default for field in dataclasses.fields(Args)},
             "epsilon": 0.2,
             "epsilon_high": 0.28,
             "beta": 0.0,
@@ -227,8 +229,8 @@ def test_dynamic_sampling_decides_on_the_outcome_per_group(toy):
     right, wrong = (tokenizer(" " + text)["input_ids"] for text in ("12", "21"))
     completions = [wrong + [tokenizer.eos_token_id], wrong, right + [tokenizer.eos_token_id], wrong]
     rollout = {"completion": completions, "answer": ["12"] * 4, "policy_mask": torch.ones(4, 4)}
-    args = SimpleNamespace(reward_fn="exact_match", reward_fn_weight=1.0, missing_eos_penalty=0.5,
-                           overlong_buffer=None, reward_model_path=None)
+    args = SimpleNamespace(reward_fn="exact_match", reward_fn_weight=1.0, reward_model_weight=1.0,
+                           missing_eos_penalty=0.5, overlong_buffer=None, reward_model_path=None)
     scored = rollout_rewards(rollout, None, tokenizer, args, torch.device("cpu"))
     assert scored["reward"].tolist() == [0.0, -0.5, 1.0, -0.5]
     assert scored["ended"].tolist() == [True, False, True, False]
@@ -322,7 +324,7 @@ def test_dynamic_sampling_reads_the_prompts_in_order_once_an_epoch(toy, sft_mode
                 for _ in range(n - (row["dynamic_sampling/groups_short"] == 0))]
     assert going_on == expected, printed[-3000:]
     state = torch.load(tmp_path / "out" / "checkpoints" / "step_6" / "rank0.pt", weights_only=True)["state"]
-    assert state == {"batches": sum(rounds)}
+    assert state == {"batches": sum(rounds), "entropy_coef": 0.0, "entropy": math.inf}  # no entropy bonus
 
 
 def test_soft_overlong_punishment_equals_trls(toy):
@@ -339,7 +341,8 @@ def test_soft_overlong_punishment_equals_trls(toy):
                    "policy_mask": torch.ones(len(completions), max(map(len, completions)))}
         for factor in (1.0, 0.5):
             args = SimpleNamespace(reward_fn=None, reward_fn_weight=1.0, missing_eos_penalty=0.0,
-                                   reward_model_path=None, max_completion_length=case["max_completion_len"],
+                                   reward_model_weight=1.0, reward_model_path=None,
+                                   max_completion_length=case["max_completion_len"],
                                    overlong_buffer=case["soft_punish_cache"], overlong_penalty_factor=factor)
             punished = rollout_rewards(rollout, None, tokenizer, args, torch.device("cpu"))["reward"]
             assert punished.tolist() == pytest.approx([factor * r for r in case["rewards"][1:]], abs=1e-6), case
@@ -487,7 +490,7 @@ def test_online_dpo_log_probs_at_temperature_1_whatever_the_sampling_one():
         rollout |= {"ref_logps": at[ref_model, 1.0], "old_logps": at[policy, 1.0] - 0.5, "loss_mask": completion_mask,
                     "advantages": torch.tensor([1.0, -1.0, 1.0, -1.0])}  # the chosen rows: A > 0
         sums = collections.defaultdict(lambda: torch.zeros(()))
-        loss = accumulate_gradients(policy, rollout, [0, 1, 2, 3], 2, args, sums)
+        loss, _ = accumulate_gradients(policy, rollout | {"keep": completion_mask}, [0, 1, 2, 3], (2, 1), args, sums)
         want = online_dpo_loss(at[policy, 1.0], at[ref_model, 1.0], completion_mask, 2, 0.1)[0]
         assert abs(loss.item() - want.item()) < 1e-6
         at_sampling_temperature = online_dpo_loss(at[policy, 0.5], at[ref_model, 0.5], completion_mask, 2, 0.1)[0]
@@ -784,8 +787,8 @@ def test_a_rollout_with_tool_calls_by_hand(toy, monkeypatch):
     assert calls == [([prompt], 200)] + [([prompt + part], 200 - len(part)) for part in seen]
 
     # the verifier reads the last turn: " 5" is right; " done" is not, though the tool's 5 is the text's last number
-    args = SimpleNamespace(reward_fn="last_number", reward_fn_weight=1.0, missing_eos_penalty=0.0, overlong_buffer=None,
-                           reward_model_path=None)
+    args = SimpleNamespace(reward_fn="last_number", reward_fn_weight=1.0, reward_model_weight=1.0,
+                           missing_eos_penalty=0.0, overlong_buffer=None, reward_model_path=None)
     tok = AutoTokenizer.from_pretrained(toy / "model")
     done, *_ = scripted_rollout(toy, monkeypatch, [turns[0], " done<|eos|>"], {"calculator": calculator})
     assert [rollout_rewards(r | {"answer": ["5"]}, None, tok, args, "cpu")["reward"].item() for r in (rollout, done)
@@ -815,11 +818,11 @@ def test_the_loss_of_a_rollout_with_tools_is_the_policys_tokens_alone(toy, monke
     args = grpo.Args(world_size=1, beta=0.04, max_completion_length=200, per_device_train_batch_size=1,
                      epsilon_high=0.2)
     data = {"prompt": [prompt], "completion": [completion], "loss_mask": mask, "advantages": torch.tensor([0.7]),
-            "old_logps": None, "ref_logps": ref}
+            "old_logps": None, "ref_logps": ref, "keep": mask}
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         sums = collections.defaultdict(lambda: torch.zeros(()))
-        loss = accumulate_gradients(model, data, [0], loss_normaliser(mask, args), args, sums)
+        loss, _ = accumulate_gradients(model, data, [0], (loss_normaliser(mask, args), mask.sum()), args, sums)
     finally:
         dist.destroy_process_group()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -949,8 +952,10 @@ def test_bad_input(toy, tmp_path):
         (toy / "prompts", ["--dynamic_sampling", 0], "--dynamic_sampling 0: must be at least 1"),
         (toy / "prompts", ["--overlong_buffer", 0], "--overlong_buffer 0: must be at least 1"),
         (toy / "prompts", ["--overlong_buffer", 4, "--overlong_penalty_factor", -1], "factor -1.0: must be 0 or more"),
-        (toy / "prompts", ["--overlong_penalty_factor", 0.5], "--overlong_penalty_factor needs --overlong_buffer"),
-        (toy / "prompts", ["--overlong_penalty_factor", 1], "--overlong_penalty_factor needs --overlong_buffer"),
+        (toy / "prompts", ["--overlong_penalty_factor", 0.5], "--overlong_penalty_factor 0.5 does nothing without "
+         "--overlong_buffer (the punishment's tokens)"),
+        (toy / "prompts", ["--overlong_penalty_factor", 1], "--overlong_penalty_factor 1.0 does nothing without "
+         "--overlong_buffer"),
         (toy / "prompts", ["--overlong_buffer", 13], "--overlong_buffer 13: at most --max_completion_length 12 (a "
          "longer one punishes every completion)"),
         # rewards are float32: a weight or penalty past its range (or NaN) would make them non-finite after sampling
@@ -959,6 +964,45 @@ def test_bad_input(toy, tmp_path):
         (toy / "prompts", ["--missing_eos_penalty", 1e308], "--missing_eos_penalty 1e+308: must be 0 or more, finite"),
         (toy / "prompts", ["--reward_fn_weight", "nan"], "--reward_fn_weight nan: not a number finite in float32"),
         (toy / "prompts", ["--reward_model_weight", "-inf"], "--reward_model_weight -inf: must be finite in float32"),
+        # TRL's techniques: a flag that would do nothing where it is given, or a value out of its range
+        (toy / "prompts", ["--advantage_estimator", "rloo", "--scale_rewards", "none"],
+         "--scale_rewards none does nothing without --advantage_estimator grpo"),
+        (toy / "prompts", ["--multi_objective_aggregation", "normalize_then_sum", "--scale_rewards", "batch"],
+         "--scale_rewards batch does nothing without --advantage_estimator grpo, --multi_objective_aggregation "
+         "sum_then_normalize"),
+        (toy / "prompts", ["--multi_objective_aggregation", "normalize_then_sum", "--advantage_estimator", "rloo"],
+         "--multi_objective_aggregation normalize_then_sum does nothing without --advantage_estimator grpo"),
+        (toy / "prompts", ["--policy_loss", "cispo", "--epsilon", 3, "--epsilon_high", 4], "--epsilon 3.0 does "
+         "nothing without --policy_loss clip, or cispo without --epsilon_high"),
+        (toy / "prompts", ["--policy_loss", "vespo", "--vespo_k", "nan", 1], "--vespo_k (nan, 1.0): must be two "
+         "finite numbers"),
+        (toy / "prompts", ["--ref_model_sync_steps", 10, "--beta", 0],
+         "--ref_model_sync_steps 10 does nothing without --beta above 0 (a reference)"),
+        (toy / "prompts", ["--ref_model_mixup_alpha", 0.5], "--ref_model_mixup_alpha 0.5 does nothing without "
+         "--ref_model_sync_steps"),
+        (toy / "prompts", ["--ref_model_sync_steps", 10, "--ref_model_mixup_alpha", 2], "alpha 2.0: must be in [0, 1]"),
+        (toy / "prompts", ["--delta", 2, "--policy_loss", "cispo"], "--delta 2.0 does nothing without --policy_loss "
+         "clip"),
+        (toy / "prompts", ["--policy_loss", "sapo", "--epsilon_high", 0.28], "--epsilon_high 0.28 does nothing "
+         "without --policy_loss clip or cispo"),
+        (toy / "prompts", ["--sapo_temperature", 2, 1], "--sapo_temperature (2.0, 1.0) does nothing without "
+         "--policy_loss sapo"),
+        (toy / "prompts", ["--policy_loss", "sapo", "--sapo_temperature", 0, 1], "--sapo_temperature (0.0, 1.0): "
+         "must be two finite numbers above 0"),
+        (toy / "prompts", ["--vespo_k", 1, 2], "--vespo_k (1.0, 2.0) does nothing without --policy_loss vespo"),
+        (toy / "prompts", ["--policy_loss", "vespo", "--importance_sampling_level", "sequence"],
+         "--importance_sampling_level sequence does nothing without a --policy_loss but vespo"),
+        (toy / "prompts", ["--use_bias_correction_kl", "--beta", 0], "--use_bias_correction_kl True does nothing "
+         "without --beta above 0, a --kl_estimator but k1_ratio"),
+        (toy / "prompts", ["--use_bias_correction_kl", "--kl_estimator", "k1_ratio"], "a --kl_estimator but k1_ratio"),
+        (toy / "prompts", ["--off_policy_mask_threshold", 0.5], "--off_policy_mask_threshold 0.5 does nothing without "
+         "--num_iterations above 1 (else pi_old is pi)"),
+        (toy / "prompts", ["--top_entropy_quantile", 1.5], "--top_entropy_quantile 1.5: must be in [0, 1]"),
+        (toy / "prompts", ["--entropy_target", 1], "--entropy_target 1.0 does nothing without --use_adaptive_entropy"),
+        (toy / "prompts", ["--use_adaptive_entropy", "--entropy_coef_range", 0.5, 0.1],
+         "--entropy_coef_range (0.5, 0.1): must be 0 <= min <= max"),
+        (toy / "prompts", ["--policy_loss", "dpo", "--top_entropy_quantile", 0.2, "--entropy_coef", 0.01],
+         "none of GRPO's flags, not ['--top_entropy_quantile', '--entropy_coef']"),
     ]:
         error, _ = run_in_process("grpo.py", grpo_args(toy / "model", data, tmp_path / "out", *extra))
         assert isinstance(error, ValueError) and message in str(error), (message, repr(error))
@@ -974,7 +1018,8 @@ def test_bad_input(toy, tmp_path):
     tokenizer.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}<|assistant|>"
     tokenizer.save_pretrained(tmp_path / "no_tool_turns")
     for model, data, extra, message in [
-        (toy / "model", messages, ["--max_tool_calls", 2], "--max_tool_calls and --tool_timeout need --tools"),
+        (toy / "model", messages, ["--max_tool_calls", 2], "--max_tool_calls 2 does nothing without --tools"),
+        (toy / "model", messages, ["--tool_timeout", 5], "--tool_timeout 5.0 does nothing without --tools"),
         (toy / "model", messages, ["--tools", "calculater"], "--tools calculater: not in grpo.py's TOOLS "
          "['calculator'], nor module.function importable beside grpo.py or on PYTHONPATH"),
         (toy / "model", messages, ["--tools", "no_such_module.f"], "No module named 'no_such_module'"),
@@ -1123,18 +1168,17 @@ def test_online_dpo_logs_the_mean_reward_of_what_it_samples(toy, sft_model, tmp_
 
 
 def test_help_says_online_dpo_takes_beta_alone_of_grpos_flags(capsys):
-    """--help says which flags online DPO takes: of the GRPO section, --beta alone; the flags after it (the last 7 of
-    Args, which main refuses under --policy_loss dpo) are GRPO's."""
+    """--help says which flags online DPO takes: of the GRPO section, --beta and the reference's sync alone; the flags
+    after them (the last 20 of Args, which main refuses under --policy_loss dpo) are GRPO's."""
     import grpo
     import tyro
 
     names = [field.name for field in dataclasses.fields(grpo.Args)]
-    assert names[-9:-7] == ["policy_loss", "beta"] and names[-7:] == ["advantage_estimator", "scale_rewards",
-                                                                      "importance_sampling_level", "epsilon",
-                                                                      "epsilon_high", "kl_estimator", "loss_type"]
+    assert names[-24:-20] == ["policy_loss", "beta", "ref_model_sync_steps", "ref_model_mixup_alpha"]
+    assert names[-20] == "advantage_estimator" and names[-1] == "loss_type"
     with pytest.raises(SystemExit):
         tyro.cli(grpo.Args, args=["--help"])
-    assert "dpo: online DPO (no flag below but --beta)" in " ".join(capsys.readouterr().out.split())
+    assert "dpo: online DPO (no flag below but --beta and the reference's)" in " ".join(capsys.readouterr().out.split())
 
 
 def test_grpo_raises_exact_match(toy, sft_model, tmp_path):

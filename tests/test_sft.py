@@ -85,14 +85,17 @@ def test_a_packed_row_keeps_its_sequences_apart(toy):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("rows", [1024, 3])
-def test_head_logprobs_equal_autograd_through_the_whole_logits(dtype, with_bias, rows, monkeypatch):
-    """Log-probs, entropies and the gradients of hidden states, weight and bias, against autograd through
-    log_softmax(logits.float() / T), T = 0.7 applied to the head's weights. In one chunk and one slice of the
-    vocabulary, and in chunks of 3 rows (3, 3, 3, 1) and slices of 12 of the 40 tokens (the last of 4)."""
+@pytest.mark.parametrize("entropy_in_loss", [False, True])
+def test_head_logprobs_equal_autograd_through_the_whole_logits(dtype, with_bias, rows, entropy_in_loss, monkeypatch):
+    """Log-probs, entropies and the gradients of hidden states, weight and bias (of the log-probs, and of the
+    entropies too: grpo.py's entropy bonus), against autograd through log_softmax(logits.float() / T), T = 0.7 applied
+    to the head's weights. In one chunk and one slice of the vocabulary, and in chunks of 3 rows (3, 3, 3, 1) and
+    slices of 12 of the 40 tokens (the last of 4)."""
     monkeypatch.setattr("sft.HEAD_ROWS", rows)
     torch.manual_seed(0)
     hidden, weight, bias = torch.randn(10, 16), torch.randn(40, 16), torch.randn(40) if with_bias else None
     labels, upstream = torch.randint(0, 40, (10,)), torch.randn(10)  # upstream: an arbitrary gradient of the output
+    entropy_upstream = torch.randn(10)
 
     def plain(h, w, b=None):
         log_p = torch.log_softmax(torch.nn.functional.linear(h, w, b).float() / 0.7, -1)
@@ -105,7 +108,8 @@ def test_head_logprobs_equal_autograd_through_the_whole_logits(dtype, with_bias,
     for head in (plain, function):
         leaves = [t.clone().to(dtype).requires_grad_() for t in (hidden, weight, bias) if t is not None]
         logprobs, entropy = head(*leaves)
-        (logprobs * upstream).sum().backward()
+        loss = (logprobs * upstream).sum()
+        (loss + (entropy * entropy_upstream).sum() if entropy_in_loss else loss).backward()  # else: no entropy gradient
         results.append([logprobs.detach(), entropy.detach()] + [leaf.grad for leaf in leaves])
     for expected, got in zip(*results):  # bf16: its rounding, to 1% of the largest value
         scale = expected.abs().max().item()

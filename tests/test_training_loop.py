@@ -75,6 +75,15 @@ ONLINE_DPO = "grpo.py --policy_loss dpo --dynamic_sampling 3"
 # hold the tools' results (out of the loss), malformed calls among them. Its sums are rarely right: the penalty for a
 # completion cut at 48 tokens gives the groups their spread
 TOOLS = "grpo.py --tools calculator --reward_fn last_number --max_completion_length 48 --missing_eos_penalty 1"
+# TRL's techniques in grpo.py at once (each flag that goes with the clipped loss): two-sided clipping, the KL term x
+# the ratio, off-policy sequence masking (pi_old: 3 iterations), the policy loss on the top half of the tokens by
+# entropy, an adaptive entropy bonus (that half's mean entropy falls through the target, 0.268 at step 6: the weight
+# goes down, then up), the reference pulled toward the policy every 4 steps (state saved at step 6), GDPO's
+# normalisation
+TECHNIQUES = ("grpo.py --delta 1.5 --use_bias_correction_kl --off_policy_mask_threshold 0.01 "
+              "--top_entropy_quantile 0.5 --entropy_coef 0.01 --use_adaptive_entropy --entropy_target 0.27 "
+              "--ref_model_sync_steps 4 --ref_model_mixup_alpha 0.5 --multi_objective_aggregation normalize_then_sum "
+              "--missing_eos_penalty 0.5")
 UNTIMED = lambda rows: [
     {k: v for k, v in r.items() if k != "tokens_per_second" and not k.startswith("time/")} for r in rows
 ]
@@ -106,7 +115,7 @@ def common_args(script, model, data_file, out):
     ] + RL.get(script, [])
 
 
-@pytest.fixture(scope="module", params=[*DATA, ONLINE_DPO, TOOLS])
+@pytest.fixture(scope="module", params=[*DATA, ONLINE_DPO, TOOLS, TECHNIQUES])
 def split_runs(request, toy, tmp_path_factory):
     """The same 12-step run of one script (or online DPO) under each split. Returns the script, the model, the
     folder, the runs by split and the arguments every run of it adds."""
@@ -182,6 +191,10 @@ def test_split_invariance(split_runs):
     # the tools were called, some calls failed, in every run
     if "--tools" in extra:
         assert all(0 < r["tools/failure_frequency"] < 1 and r["tools/call_frequency"] > 0.5 for r in ref_rows), ref_rows
+    # the adaptive entropy weight went up and down
+    if "--use_adaptive_entropy" in extra:
+        steps = [b["entropy_coef"] - a["entropy_coef"] for a, b in zip(ref_rows, ref_rows[1:])]
+        assert max(steps) > 0 > min(steps), ref_rows
     # dynamic sampling did sample again (some rounds' groups had no spread) and fill the rollouts
     if "--dynamic_sampling" in extra:
         assert max(r["dynamic_sampling/rounds"] for r in ref_rows) > 1, ref_rows

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import ROOT, read_metrics, run_scripts
 from dpo import dpo_loss
-from grpo import group_advantages, grpo_loss, loss_normaliser
+from grpo import Args, group_advantages, grpo_loss, loss_normaliser
 
 REFERENCE = json.load(open(os.path.join(ROOT, "tests", "reference", "variants", "reference.json")))
 TOLERANCE = 1e-6
@@ -26,7 +26,7 @@ def grpo_case(name, **override):
     logps = torch.tensor(inputs["logps"], dtype=torch.float32, requires_grad=True)
     old, ref = (torch.tensor(inputs[key], dtype=torch.float32) for key in (case["old_logps"], "ref_logps"))
     mask, advantages = torch.tensor(inputs["mask"]), torch.tensor(inputs["advantages"], dtype=torch.float32)
-    args = SimpleNamespace(kl_estimator="k3", max_completion_length=mask.shape[1], **{**case["ours"], **override})
+    args = Args(kl_estimator="k3", max_completion_length=mask.shape[1], **{**case["ours"], **override})
     loss, _, _ = grpo_loss(
         logps, old, ref if args.beta > 0 else None, advantages, mask, loss_normaliser(mask, args), args
     )
@@ -60,7 +60,7 @@ def test_gspo_clips_whole_completions_and_cispo_keeps_every_token():
     logps = torch.zeros(2, 3, requires_grad=True)
     old = torch.tensor([[-0.3, -0.3, -0.3], [0.0, 0.0, -0.06]])  # log-ratios 0.3 everywhere; 0, 0, 0.06
     mask = torch.tensor([[1.0, 1, 1], [1, 1, 1]])
-    args = SimpleNamespace(
+    args = Args(
         epsilon=0.2,
         epsilon_high=0.2,
         beta=0.0,
@@ -170,6 +170,11 @@ RUNS = {
         ],
     ),
     "reinforce_plus_plus_baseline": ("grpo.py", "prompts", ["--advantage_estimator", "reinforce_plus_plus_baseline"]),
+    "sapo_normalize_then_sum": ("grpo.py", "prompts", ["--policy_loss", "sapo", "--sapo_temperature", 2.0, 1.0,
+                                                       "--multi_objective_aggregation", "normalize_then_sum",
+                                                       "--missing_eos_penalty", 0.5, "--num_iterations", 2]),
+    "vespo_entropy_bonus": ("grpo.py", "prompts", ["--policy_loss", "vespo", "--entropy_coef", 0.01,
+                                                   "--num_iterations", 2]),
 }
 
 
@@ -217,3 +222,5 @@ def test_each_option_runs_on_two_processes(name, variant_runs):
         assert "eval/scores" in rows[-1]
     if "cispo" in name:  # CISPO has no lower clip
         assert all(row["clip_ratio/low"] == 0.0 for row in rows)
+    if "entropy_bonus" in name:
+        assert all(row["entropy_coef"] == pytest.approx(0.01) for row in rows)
