@@ -615,7 +615,7 @@ class HeadLogprobs(torch.autograd.Function):
             log_z[rows] = logits.gather(1, labels[rows, None])[:, 0] - logprobs[rows]  # the softmax's log divisor
             entropy[rows] = -(log_p.exp() * log_p).sum(-1) if with_entropy else 0
         ctx.save_for_backward(hidden, labels, logprobs, log_z, entropy, weight, bias)
-        ctx.set_materialize_grads(False)  # an entropy out of the loss: no gradient, None
+        ctx.set_materialize_grads(False)  # entropy out of the loss: None
         return logprobs, entropy
 
     @staticmethod
@@ -629,14 +629,14 @@ class HeadLogprobs(torch.autograd.Function):
         for start in range(0, len(weight), size):
             w, *b = (p[start : start + size] for p in head)
             probs = F.linear(hidden, w, *b).float().sub_(log_z[:, None])  # log p
-            here = (labels >= start) & (labels < start + size)  # at the labels, the forward's (not recomputed)
-            probs[here, labels[here] - start] = logprobs[here]
+            at = ((labels >= start) & (labels < start + size)).nonzero()[:, 0]  # one sync
+            probs[at, labels[at] - start] = logprobs[at]  # at the labels, the forward's (not recomputed)
             if grad_entropy is None:
                 probs.exp_()
-            else:  # d entropy / d logits = -p (log p + entropy)
+            else:  # d entropy / d logit: -p (log p + entropy)
                 p = probs.exp()
                 probs = probs.add_(entropy[:, None]).mul_(-grad_entropy[:, None]).add_(grad).mul_(p)
-            probs[here, labels[here] - start] -= 1 if grad_entropy is None else grad[here, 0]  # - one-hot
+            probs[at, labels[at] - start] -= 1 if grad_entropy is None else grad[at, 0]  # - one-hot
             probs = probs.to(w.dtype)  # rounded once
             grad_hidden += probs @ w * factor
             for whole, x in zip(grads, (scaled, factor[:, 0].to(probs.dtype))):

@@ -360,9 +360,10 @@ def training_rows(kept, spread, rewards, usable, num_groups, args):
 def top_entropy_tokens(entropy, mask, rho):
     """The tokens of `mask` with an entropy at least the (1 - rho) quantile of theirs ("Beyond the 80/20 rule",
     arXiv:2506.01939: the forks of a reasoning path), the quantile over a whole mini-batch (TRL: a micro-batch)."""
-    values, rank = entropy[mask > 0].sort().values, (1 - rho) * ((mask > 0).sum().item() - 1)
+    values = entropy[mask > 0].sort().values
     if len(values) == 0:
         return mask
+    rank = (1 - rho) * (len(values) - 1)
     threshold = values[math.floor(rank)].lerp(values[math.ceil(rank)], rank - math.floor(rank))  # torch.quantile's
     return mask * (entropy >= threshold)  # (which takes 2^24 values at most)
 
@@ -614,10 +615,10 @@ def rollout_rewards(rollout, reward_model, tokenizer, args, device):
         distinct = {"prompt": [p for p, _ in texts], "completion": [c for _, c in texts]}
         scores = no_grad_pass(reward_model, distinct, args, True)[copy_of, 0]
     sources = [f"--reward_fn {args.reward_fn} with the penalties", f"--reward_model_path {args.reward_model_path}"]
-    check_rewards(torch.stack([rewards, args.reward_model_weight * scores], 1), sources)
-    return {"reward": rewards + args.reward_model_weight * scores, "ended": ended,
-            "objectives": torch.stack([correct, -sum(penalties), scores], 1),  # apart for normalize_then_sum
-            "outcome": correct if args.reward_fn else args.reward_model_weight * scores}
+    weighted = args.reward_model_weight * scores
+    check_rewards(torch.stack([rewards, weighted], 1), sources)
+    return {"reward": rewards + weighted, "ended": ended, "outcome": correct if args.reward_fn else weighted,
+            "objectives": torch.stack([correct, -sum(penalties), scores], 1)}  # apart for normalize_then_sum
 
 
 @torch.no_grad()
@@ -1219,7 +1220,7 @@ class HeadLogprobs(torch.autograd.Function):
             log_z[rows] = logits.gather(1, labels[rows, None])[:, 0] - logprobs[rows]  # the softmax's log divisor
             entropy[rows] = -(log_p.exp() * log_p).sum(-1) if with_entropy else 0
         ctx.save_for_backward(hidden, labels, logprobs, log_z, entropy, weight, bias)
-        ctx.set_materialize_grads(False)  # an entropy out of the loss: no gradient, None
+        ctx.set_materialize_grads(False)  # entropy out of the loss: None
         return logprobs, entropy
 
     @staticmethod
@@ -1233,14 +1234,14 @@ class HeadLogprobs(torch.autograd.Function):
         for start in range(0, len(weight), size):
             w, *b = (p[start : start + size] for p in head)
             probs = F.linear(hidden, w, *b).float().sub_(log_z[:, None])  # log p
-            here = (labels >= start) & (labels < start + size)  # at the labels, the forward's (not recomputed)
-            probs[here, labels[here] - start] = logprobs[here]
+            at = ((labels >= start) & (labels < start + size)).nonzero()[:, 0]  # one sync
+            probs[at, labels[at] - start] = logprobs[at]  # at the labels, the forward's (not recomputed)
             if grad_entropy is None:
                 probs.exp_()
-            else:  # d entropy / d logits = -p (log p + entropy)
+            else:  # d entropy / d logit: -p (log p + entropy)
                 p = probs.exp()
                 probs = probs.add_(entropy[:, None]).mul_(-grad_entropy[:, None]).add_(grad).mul_(p)
-            probs[here, labels[here] - start] -= 1 if grad_entropy is None else grad[here, 0]  # - one-hot
+            probs[at, labels[at] - start] -= 1 if grad_entropy is None else grad[at, 0]  # - one-hot
             probs = probs.to(w.dtype)  # rounded once
             grad_hidden += probs @ w * factor
             for whole, x in zip(grads, (scaled, factor[:, 0].to(probs.dtype))):

@@ -158,7 +158,7 @@ COMMON_FIELDS = [
 
 
 # each file's size in characters may not pass its ceiling: a feature pays for itself by making something else shorter
-CEILINGS = {"sft.py": 57_769, "reward.py": 57_868, "dpo.py": 65_405, "ppo.py": 79_140, "grpo.py": 108_533,
+CEILINGS = {"sft.py": 57_767, "reward.py": 57_868, "dpo.py": 65_403, "ppo.py": 79_138, "grpo.py": 108_485,
             "README.md": 35_849}
 
 
